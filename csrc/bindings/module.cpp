@@ -1,0 +1,10 @@
+// The gpipe_fast._C module: one entry point that registers each binding area.
+#include "bindings.hpp"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native core of gpipe_fast: schedules, the executor, stream sync, partitioning.";
+  gpipe_fast::bindings::bind_schedule(m);
+  gpipe_fast::bindings::bind_device(m);
+  gpipe_fast::bindings::bind_executor(m);
+  gpipe_fast::bindings::bind_partition(m);
+}

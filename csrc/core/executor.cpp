@@ -1,0 +1,208 @@
+// The executor: per-cell workers run their task lists, waiting on cross-cell dependencies.
+#include "gpipe_fast/executor.hpp"
+
+#include <string>
+
+#include "gpipe_fast/error.hpp"
+
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
+namespace gpipe_fast {
+namespace {
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void name_thread(int cell) {
+#if defined(__linux__)
+  const std::string name = "gpipe-cell-" + std::to_string(cell);
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+#else
+  (void)cell;
+#endif
+}
+
+}  // namespace
+
+Executor::Executor(int workers, std::shared_ptr<StreamSync> sync,
+                   std::function<void()> on_thread_exit)
+    : sync_(std::move(sync)), on_thread_exit_(std::move(on_thread_exit)) {
+  GF_EXPECTS(workers >= 1, "an executor needs at least one worker, got " + std::to_string(workers));
+  GF_EXPECTS(sync_ != nullptr, "an executor needs a StreamSync backend");
+  streams_.resize(static_cast<std::size_t>(workers));
+  threads_.reserve(static_cast<std::size_t>(workers));
+  for (int cell = 0; cell < workers; ++cell) threads_.emplace_back([this, cell] { worker_main(cell); });
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    shutdown_ = true;
+    aborted_ = true;
+  }
+  work_cv_.notify_all();
+  task_cv_.notify_all();
+  for (auto& thread : threads_) thread.join();
+  // A run abandoned by its caller still owns events.
+  for (EventId event : events_) {
+    if (event >= 0) sync_->release(event);
+  }
+}
+
+void Executor::set_streams(std::vector<Stream> streams) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  GF_EXPECTS(schedule_ == nullptr, "set_streams during a run");
+  GF_EXPECTS(streams.size() == threads_.size(),
+             "set_streams needs one stream per cell: got " + std::to_string(streams.size()) +
+                 " for " + std::to_string(threads_.size()) + " cells");
+  streams_ = std::move(streams);
+}
+
+void Executor::set_recording(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  recording_ = on;
+}
+
+void Executor::run(const Schedule& schedule, TaskFn fn) {
+  start(schedule, std::move(fn));
+  finish();
+}
+
+void Executor::start(const Schedule& schedule, TaskFn fn) {
+  GF_EXPECTS(schedule.cells() == workers(), "schedule has " + std::to_string(schedule.cells()) +
+                                                " cells but the executor has " +
+                                                std::to_string(workers()) + " workers");
+  GF_EXPECTS(static_cast<bool>(fn), "start needs a task function");
+  schedule.validate();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    GF_EXPECTS(schedule_ == nullptr, "the executor is already running a schedule");
+    schedule_ = &schedule;
+    fn_ = std::move(fn);
+    aborted_ = false;
+    error_ = nullptr;
+    cells_running_ = workers();
+    done_.assign(schedule.tasks().size(), 0);
+    events_.assign(schedule.tasks().size(), -1);
+    spans_.assign(recording_ ? schedule.tasks().size() : 0, TaskSpan{});
+    ++generation_;
+  }
+  work_cv_.notify_all();
+}
+
+bool Executor::wait_for(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return done_cv_.wait_for(lock, timeout, [this] { return cells_running_ == 0; });
+}
+
+void Executor::cancel() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    aborted_ = true;
+  }
+  task_cv_.notify_all();
+}
+
+void Executor::finish() {
+  std::exception_ptr error;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    GF_EXPECTS(schedule_ != nullptr, "finish without a run in flight");
+    done_cv_.wait(lock, [this] { return cells_running_ == 0; });
+    for (EventId event : events_) {
+      if (event >= 0) sync_->release(event);
+    }
+    events_.clear();
+    last_spans_.clear();
+    for (const auto& span : spans_) {
+      if (span.task >= 0) last_spans_.push_back(span);
+    }
+    spans_.clear();
+    schedule_ = nullptr;
+    fn_ = nullptr;
+    done_.clear();
+    ++runs_;
+    error = error_;
+    error_ = nullptr;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+std::vector<TaskSpan> Executor::last_spans() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_spans_;
+}
+
+std::int64_t Executor::runs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return runs_;
+}
+
+bool Executor::ready(const Task& task) const {
+  for (int dep : task.deps) {
+    if (!done_[static_cast<std::size_t>(dep)]) return false;
+  }
+  return true;
+}
+
+void Executor::worker_main(int cell) {
+  name_thread(cell);
+  std::uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait(lock, [&] { return shutdown_ || generation_ != seen; });
+      if (shutdown_) break;
+      seen = generation_;
+    }
+    run_cell(cell);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --cells_running_;
+    }
+    done_cv_.notify_all();
+  }
+  if (on_thread_exit_) on_thread_exit_();
+}
+
+void Executor::run_cell(int cell) {
+  const Schedule& schedule = *schedule_;  // fixed for the run; read without the lock
+  const Stream stream = streams_[static_cast<std::size_t>(cell)];
+  for (int id : schedule.order(cell)) {
+    const Task& task = schedule.task(id);
+    bool record = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      task_cv_.wait(lock, [&] { return aborted_ || ready(task); });
+      if (aborted_) return;
+      record = !spans_.empty();
+    }
+    try {
+      // Order this cell's stream after its producers' work (device-side on CUDA).
+      for (int dep : task.deps) {
+        if (schedule.task(dep).cell != cell) sync_->wait(stream, events_[static_cast<std::size_t>(dep)]);
+      }
+      const std::int64_t start = record ? now_ns() : 0;
+      fn_(task);
+      const EventId event = sync_->record(stream);
+      std::lock_guard<std::mutex> lock(mutex_);
+      events_[static_cast<std::size_t>(id)] = event;
+      if (record) spans_[static_cast<std::size_t>(id)] = TaskSpan{id, start, now_ns()};
+      done_[static_cast<std::size_t>(id)] = 1;
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      aborted_ = true;
+      task_cv_.notify_all();
+      return;
+    }
+    task_cv_.notify_all();
+  }
+}
+
+}  // namespace gpipe_fast

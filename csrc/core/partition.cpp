@@ -1,0 +1,104 @@
+// Min-max contiguous partition (exact DP with binary-searched splits), ties to balance.
+#include "gpipe_fast/partition.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "gpipe_fast/error.hpp"
+
+namespace gpipe_fast {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The smallest achievable largest-cell cost. best[i] holds the optimum for the first i
+// layers in the current number of cells; it is non-decreasing in i and the cost of the
+// last cell (prefix[i] - prefix[s]) is non-increasing in s, so the best split point is
+// where the two cross and a binary search finds it: O(cells * n * log n).
+double min_bottleneck(const std::vector<double>& prefix, int cells) {
+  const int n = static_cast<int>(prefix.size()) - 1;
+  std::vector<double> best(static_cast<std::size_t>(n + 1), kInf), next(best.size());
+  for (int i = 1; i <= n; ++i) best[static_cast<std::size_t>(i)] = prefix[static_cast<std::size_t>(i)];
+  for (int j = 2; j <= cells; ++j) {
+    std::fill(next.begin(), next.end(), kInf);
+    for (int i = j; i <= n; ++i) {
+      auto cost = [&](int s) {
+        return std::max(best[static_cast<std::size_t>(s)],
+                        prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(s)]);
+      };
+      // s ranges over [j-1, i-1]; find the first s where best[s] >= last-cell cost.
+      int lo = j - 1, hi = i - 1;
+      while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (best[static_cast<std::size_t>(mid)] >=
+            prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(mid)])
+          hi = mid;
+        else
+          lo = mid + 1;
+      }
+      double value = cost(lo);
+      if (lo > j - 1) value = std::min(value, cost(lo - 1));
+      next[static_cast<std::size_t>(i)] = value;
+    }
+    std::swap(best, next);
+  }
+  return best[static_cast<std::size_t>(n)];
+}
+
+}  // namespace
+
+std::vector<int> partition(const std::vector<double>& costs, int cells) {
+  const int n = static_cast<int>(costs.size());
+  GF_EXPECTS(n >= 1, "costs must not be empty");
+  GF_EXPECTS(cells >= 1, "cells must be >= 1, got " + std::to_string(cells));
+  GF_EXPECTS(cells <= n, "cells (" + std::to_string(cells) + ") must not exceed the number of layers (" +
+                             std::to_string(n) + ")");
+  std::vector<double> prefix(static_cast<std::size_t>(n + 1), 0.0);
+  for (int i = 0; i < n; ++i) {
+    const double c = costs[static_cast<std::size_t>(i)];
+    GF_EXPECTS(std::isfinite(c) && c >= 0.0,
+               "costs must be finite and non-negative; costs[" + std::to_string(i) + "] = " + std::to_string(c));
+    prefix[static_cast<std::size_t>(i + 1)] = prefix[static_cast<std::size_t>(i)] + c;
+  }
+
+  const double bound = min_bottleneck(prefix, cells);
+  // Relative slack so that sums taken in another order still count as reaching the bound.
+  const double limit = bound + 1e-12 * std::max(1.0, prefix.back());
+
+  // Among splits with every cell <= limit, minimise the sum of squared cell costs.
+  const auto width = static_cast<std::size_t>(n + 1);
+  std::vector<double> score(width, kInf), next(width);
+  std::vector<int> choice(static_cast<std::size_t>(cells) * width, -1);
+  score[0] = 0.0;  // zero layers in zero cells
+  for (int j = 1; j <= cells; ++j) {
+    std::fill(next.begin(), next.end(), kInf);
+    int lo = 0;  // smallest s with prefix[i] - prefix[s] <= limit; moves right as i grows
+    for (int i = j; i <= n - (cells - j); ++i) {
+      while (prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(lo)] > limit) ++lo;
+      for (int s = std::max(lo, j - 1); s <= i - 1; ++s) {
+        if (score[static_cast<std::size_t>(s)] == kInf) continue;
+        const double cell = prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(s)];
+        const double value = score[static_cast<std::size_t>(s)] + cell * cell;
+        if (value < next[static_cast<std::size_t>(i)]) {
+          next[static_cast<std::size_t>(i)] = value;
+          choice[static_cast<std::size_t>(j - 1) * width + static_cast<std::size_t>(i)] = s;
+        }
+      }
+    }
+    std::swap(score, next);
+  }
+
+  std::vector<int> balance(static_cast<std::size_t>(cells));
+  int end = n;
+  for (int j = cells; j >= 1; --j) {
+    const int start = choice[static_cast<std::size_t>(j - 1) * width + static_cast<std::size_t>(end)];
+    GF_EXPECTS(start >= 0, "internal error: partition found no split reaching its own bound");
+    balance[static_cast<std::size_t>(j - 1)] = end - start;
+    end = start;
+  }
+  return balance;
+}
+
+}  // namespace gpipe_fast

@@ -1,0 +1,122 @@
+// CUDA backend of the stream/event interface: pooled timing-free events, device-side waits.
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda_check.hpp"
+#include "gpipe_fast/device.hpp"
+
+namespace gpipe_fast {
+namespace {
+
+// Restores the caller's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    GF_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) GF_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+cudaStream_t as_cuda(const Stream& stream) {
+  return reinterpret_cast<cudaStream_t>(stream.handle);
+}
+
+class CudaSync final : public StreamSync {
+ public:
+  ~CudaSync() override {
+    for (auto& slot : slots_) cudaEventDestroy(slot.event);
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  EventId record(const Stream& stream) override {
+    GF_EXPECTS(stream.device >= 0, "a CUDA stream needs a device index");
+    DeviceGuard guard(stream.device);
+    const EventId id = acquire(stream.device);
+    GF_CUDA_CHECK(cudaEventRecord(slot(id).event, as_cuda(stream)));
+    return id;
+  }
+
+  void wait(const Stream& stream, EventId event) override {
+    DeviceGuard guard(stream.device);
+    GF_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(stream), slot(event).event, 0));
+  }
+
+  void synchronize(EventId event) override { GF_CUDA_CHECK(cudaEventSynchronize(slot(event).event)); }
+
+  void release(EventId event) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& s = slots_.at(static_cast<std::size_t>(event));
+    GF_EXPECTS(s.live, "release of an event that is not live");
+    s.live = false;
+    free_[s.device].push_back(event);
+    --live_;
+  }
+
+  std::int64_t live_events() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return live_;
+  }
+  std::int64_t pooled_events() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<std::int64_t>(slots_.size());
+  }
+
+ private:
+  struct Slot {
+    cudaEvent_t event;
+    int device;
+    bool live;
+  };
+
+  // Reuses a free event of that device, or creates one (current device set by the caller).
+  EventId acquire(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++live_;
+    auto& free = free_[device];
+    if (!free.empty()) {
+      const EventId id = free.back();
+      free.pop_back();
+      slots_[static_cast<std::size_t>(id)].live = true;
+      return id;
+    }
+    cudaEvent_t event = nullptr;
+    try {
+      GF_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    } catch (...) {
+      --live_;
+      throw;
+    }
+    slots_.push_back(Slot{event, device, true});
+    return static_cast<EventId>(slots_.size() - 1);
+  }
+
+  Slot& slot(EventId id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    GF_EXPECTS(id >= 0 && static_cast<std::size_t>(id) < slots_.size() &&
+                   slots_[static_cast<std::size_t>(id)].live,
+               "unknown or released event " + std::to_string(id));
+    return slots_[static_cast<std::size_t>(id)];
+  }
+
+  mutable std::mutex mutex_;
+  std::deque<Slot> slots_;  // a deque: references stay valid while other threads append
+  std::unordered_map<int, std::vector<EventId>> free_;
+  std::int64_t live_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<StreamSync> make_cuda_sync() { return std::make_shared<CudaSync>(); }
+
+bool cuda_compiled() { return true; }
+
+}  // namespace gpipe_fast

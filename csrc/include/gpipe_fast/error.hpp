@@ -1,0 +1,44 @@
+// Error types of the native core and the precondition macro that raises them.
+#pragma once
+
+#include <new>
+#include <stdexcept>
+#include <string>
+
+namespace gpipe_fast {
+
+// A caller broke a documented precondition; Python sees ValueError.
+class InvalidArgument : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// A CUDA runtime call failed; Python sees RuntimeError with the call and error name.
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A memory resource could not satisfy a request; Python sees MemoryError.
+class OutOfMemory : public std::bad_alloc {
+ public:
+  explicit OutOfMemory(std::string what) : what_(std::move(what)) {}
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  std::string what_;
+};
+
+namespace detail {
+[[noreturn]] inline void fail_precondition(const std::string& message, const char* file, int line) {
+  throw InvalidArgument(message + " (" + file + ":" + std::to_string(line) + ")");
+}
+}  // namespace detail
+
+}  // namespace gpipe_fast
+
+// Checks a precondition; on failure throws InvalidArgument with the message and file:line.
+#define GF_EXPECTS(condition, message)                                                 \
+  do {                                                                                 \
+    if (!(condition)) ::gpipe_fast::detail::fail_precondition((message), __FILE__, __LINE__); \
+  } while (0)
