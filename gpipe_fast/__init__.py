@@ -1,0 +1,31 @@
+"""gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime."""
+
+try:
+    from gpipe_fast import _C
+except ImportError as error:  # no silent fallback: the engine is native
+    raise ImportError(
+        "gpipe_fast's native core (gpipe_fast._C) is missing or failed to load. Build and "
+        "install the package with `pip install .` (needs cmake and a C++17 compiler); "
+        f"the loader said: {error}"
+    ) from error
+
+from gpipe_fast.balance import (
+    balance_by_params,
+    balance_by_size,
+    balance_by_time,
+    partition,
+)
+from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
+from gpipe_fast.gpipe import GPipe
+
+__all__ = [
+    "GPipe",
+    "_C",
+    "balance_by_params",
+    "balance_by_size",
+    "balance_by_time",
+    "is_checkpointing",
+    "is_recomputing",
+    "partition",
+]
+__version__ = "0.1.0"

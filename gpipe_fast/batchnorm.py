@@ -1,0 +1,107 @@
+"""BatchNorm whose running statistics are those of the whole mini-batch, not each micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gpipe_fast.checkpoint import is_recomputing
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """Normalises each micro-batch by its own statistics (as BatchNorm on that micro-batch
+    would) but accumulates them and updates the running statistics once per mini-batch,
+    when the pipe calls `commit()` after the forward pass. Recomputation tracks nothing."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input, got {input.dim()}D")
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not (self.training and self.track_running_stats):
+            return super().forward(input)
+        self._check_input_dim(input)
+        if not is_recomputing():
+            self._accumulate(input.detach())
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    def _accumulate(self, input: Tensor) -> None:
+        dims = [d for d in range(input.dim()) if d != 1]
+        values = input.float()
+        total = values.sum(dims)
+        squares = (values * values).sum(dims)
+        count = input.numel() // input.size(1)
+        if getattr(self, "_sum", None) is None:
+            self._sum, self._squares, self._count = total, squares, count
+        else:
+            self._sum = self._sum + total
+            self._squares = self._squares + squares
+            self._count += count
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Folds the accumulated mini-batch statistics into the running statistics."""
+        if getattr(self, "_sum", None) is None:
+            return
+        count = self._count
+        mean = self._sum / count
+        variance = (self._squares / count - mean * mean).clamp_min(0)
+        unbiased = variance * (count / max(count - 1, 1))
+        assert self.num_batches_tracked is not None and self.running_mean is not None
+        assert self.running_var is not None
+        self.num_batches_tracked += 1
+        if self.momentum is None:
+            momentum = 1.0 / float(self.num_batches_tracked)
+        else:
+            momentum = self.momentum
+        self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+        self._sum = self._squares = None
+        self._count = 0
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Replaces BatchNorm layers in `module` (itself or nested) by DeferredBatchNorm
+        sharing the same parameters and buffers, so state stays with the user's tensors."""
+        if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
+            deferred = cls(module.num_features, module.eps, module.momentum, module.affine, True)
+            deferred.weight, deferred.bias = module.weight, module.bias
+            deferred.running_mean = module.running_mean
+            deferred.running_var = module.running_var
+            deferred.num_batches_tracked = module.num_batches_tracked
+            deferred.train(module.training)
+            return deferred
+        for name, child in module.named_children():
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+
+@contextmanager
+def frozen_running_stats(module: nn.Module) -> Iterator[None]:
+    """Keeps plain BatchNorm running statistics unchanged through a recompute, which must not
+    count the same micro-batch twice. Momentum 0 leaves them as they are (they cannot be
+    restored by copying: autograd saved them for backward), and the batch counter is put back.
+    """
+    layers = [
+        m for m in module.modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm)
+        and m.training and m.track_running_stats
+    ]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in layers]
+    for m in layers:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(layers, saved):
+            m.momentum = momentum
+            if tracked is not None and m.num_batches_tracked is not None:
+                m.num_batches_tracked.copy_(tracked)

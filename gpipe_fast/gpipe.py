@@ -1,0 +1,213 @@
+"""The GPipe module: cuts an nn.Sequential into cells and pipelines micro-batches through them."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+from gpipe_fast.batchnorm import DeferredBatchNorm
+from gpipe_fast.microbatch import Value
+from gpipe_fast.pipeline import Pipeline
+
+Device = Union[torch.device, str, int]
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+# Pipes still holding workers; joined before the interpreter starts tearing down.
+_live_pipes: weakref.WeakSet[GPipe] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pipes() -> None:
+    for pipe in list(_live_pipes):
+        pipe.close()
+
+
+class GPipe(nn.Module):
+    """Wraps an nn.Sequential for GPipe training.
+
+    The module is cut into ``len(balance)`` cells, cell k on ``devices[k]``; each mini-batch
+    is split into ``chunks`` micro-batches that flow through the cells on one worker thread
+    per cell. ``checkpoint`` picks which micro-batches drop their activations in forward and
+    recompute them in backward: "always", "except_last" (all but the last) or "never".
+    The output lives on the last device; ``loss.backward()`` runs the pipelined backward and
+    leaves the gradients in the module's own parameters, equal to those of the unpartitioned
+    module on the whole batch.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+        if len(module) == 0:
+            raise ValueError("module must have at least one layer")
+        if isinstance(chunks, bool) or not isinstance(chunks, int):
+            raise TypeError(f"chunks must be an int, got {type(chunks).__name__}")
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+
+        resolved_devices = _resolve_devices(devices)
+        if balance is None:
+            from gpipe_fast.balance import balance_by_params
+
+            cells = min(len(module), len(resolved_devices) if devices is not None or
+                        resolved_devices[0].type == "cuda" else _cpu_cores())
+            balance = balance_by_params(cells, module)
+        balance = _check_balance(balance, len(module))
+        if len(resolved_devices) < len(balance):
+            raise ValueError(
+                f"devices: {len(balance)} cells need {len(balance)} devices, got {len(resolved_devices)}"
+            )
+
+        self.balance = list(balance)
+        self.devices = resolved_devices[: len(balance)]
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+
+        named = list(module._modules.items())  # named_children() would drop a repeated layer
+        cells, start = [], 0
+        for size, device in zip(self.balance, self.devices):
+            cell = nn.Sequential(OrderedDict(named[start:start + size]))
+            if deferred_batch_norm:
+                cell = DeferredBatchNorm.convert(cell)
+            cells.append(cell.to(device))
+            start += size
+        _reject_shared_parameters(cells)
+        self.partitions = nn.ModuleList(cells)
+        # Layer name in the original module -> cell, so state_dict keeps the original keys.
+        self._cell_of = {name: k for k, cell in enumerate(cells) for name in cell._modules}
+        self._register_state_dict_hook(_strip_cell_prefix)
+        self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
+
+        self._threads_per_cell = _default_threads_per_cell(self.devices)
+        self._pipeline = Pipeline(cells, self.devices, self._threads_per_cell)
+        _live_pipes.add(self)
+
+    @property
+    def threads_per_cell(self) -> int | None:
+        """Intra-op threads of each CPU cell's worker (None: PyTorch's own setting)."""
+        return self._pipeline.threads_per_cell
+
+    def forward(self, input: Value) -> Value:  # type: ignore[override]
+        return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
+
+    def close(self) -> None:
+        """Joins the worker threads; the pipe cannot run afterwards."""
+        self._pipeline.close()
+        _live_pipes.discard(self)
+
+    def __len__(self) -> int:
+        return sum(len(cell) for cell in self.partitions)
+
+    def __iter__(self) -> Iterable[nn.Module]:  # type: ignore[override]
+        for cell in self.partitions:
+            yield from cell
+
+    def extra_repr(self) -> str:
+        devices = [str(d) for d in self.devices]
+        return (f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
+                f"checkpoint={self.checkpoint!r}")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
+        raise TypeError("a GPipe owns worker threads and cannot be deep-copied; copy the "
+                        "wrapped module and build a new GPipe")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a GPipe cannot be pickled; save pipe.state_dict() instead (it has "
+                        "the original module's keys)")
+
+
+def _cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _resolve_devices(devices: Sequence[Device] | None) -> list[torch.device]:
+    if devices is None:
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        return [torch.device("cpu")] * _cpu_cores()
+    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of devices, got {type(devices).__name__}")
+    resolved = []
+    for i, device in enumerate(devices):
+        try:
+            resolved.append(torch.device(device))
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"devices[{i}] is not a device: {device!r}") from error
+    for i, device in enumerate(resolved):
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"devices[{i}]: only cpu and cuda devices are supported, got {device}")
+        if device.type == "cuda" and device.index is None:
+            resolved[i] = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
+    for i, size in enumerate(balance):
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"balance[{i}] must be an int, got {type(size).__name__}")
+        if size < 1:
+            raise ValueError(f"balance[{i}] = {size}: every cell needs at least one layer")
+    if not balance:
+        raise ValueError("balance must name at least one cell")
+    if sum(balance) != layers:
+        raise ValueError(f"balance {list(balance)} sums to {sum(balance)}, but module has {layers} layers")
+    return list(balance)
+
+
+def _reject_shared_parameters(cells: list[nn.Sequential]) -> None:
+    owner: dict[int, tuple[int, str]] = {}
+    for k, cell in enumerate(cells):
+        for name, tensor in [*cell.named_parameters(), *cell.named_buffers()]:
+            first = owner.setdefault(id(tensor), (k, name))
+            if first[0] != k:
+                raise ValueError(
+                    f"balance: parameter {name!r} of cell {k} is shared with {first[1]!r} of cell "
+                    f"{first[0]}; a tensor can live in only one cell (keep the layers sharing it "
+                    f"in the same cell)"
+                )
+
+
+def _default_threads_per_cell(devices: list[torch.device]) -> int | None:
+    """Each CPU cell's share of the cores, unless the user set OMP_NUM_THREADS."""
+    cpu_cells = sum(device.type == "cpu" for device in devices)
+    if cpu_cells == 0 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, _cpu_cores() // cpu_cells)
+
+
+def _strip_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    for key in list(state):
+        if key.startswith(prefix + "partitions."):
+            rest = key[len(prefix) + len("partitions."):]
+            state[prefix + rest.split(".", 1)[1]] = state.pop(key)
+
+
+def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    for key in list(state):
+        if not key.startswith(prefix):
+            continue
+        layer = key[len(prefix):].split(".", 1)[0]
+        cell = module._cell_of.get(layer)
+        if cell is not None:
+            state[f"{prefix}partitions.{cell}.{key[len(prefix):]}"] = state.pop(key)

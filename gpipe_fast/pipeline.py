@@ -1,0 +1,335 @@
+"""Runs one mini-batch through the cells on the native executor, forward and backward.
+
+A step is two schedules. `pipe(x)` runs the fill-drain forward (micro-batch m enters cell k
+at tick m + k); the user's `loss.backward()` runs the fill-drain backward::
+
+    forward, K=3, M=4                     backward (Recompute R precedes Backward B)
+    tick   0   1   2   3   4   5          cell 2: R3 B3 R2 B2 R1 B1 R0 B0
+    cell0  F0  F1  F2  F3                 cell 1:    R3 .. B3 R2 B2 R1 B1 R0 B0
+    cell1      F0  F1  F2  F3             cell 0:       R3 .. .. B3 R2 B2 ...
+    cell2          F0  F1  F2  F3
+
+Backward reaches the executor through two autograd nodes (see DESIGN.md, "Hazard"):
+`_Exit` sits on the pipe's output and only stores the incoming gradient, returning at once
+(it may run on a CUDA device thread of the autograd engine, which must never block);
+`_Enter` receives a zero-size CPU gradient from `_Exit`, so the engine runs it on the
+thread that called backward(), where it is safe to wait for the cells' workers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_fast import _C
+from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats
+from gpipe_fast.checkpoint import pass_flags
+from gpipe_fast.microbatch import Value, as_tensors, gather, like, scatter
+from gpipe_fast.randomness import TaskRandomness, draw_step_seed, task_seed
+from gpipe_fast.streams import CellStreams
+
+_PASS_NAMES = {
+    _C.TaskKind.Forward: "forward",
+    _C.TaskKind.Recompute: "recompute",
+    _C.TaskKind.Backward: "backward",
+}
+
+
+@dataclass(frozen=True)
+class _AutocastState:
+    """The caller's autocast settings, replayed on the worker threads."""
+
+    settings: tuple[tuple[str, bool, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls) -> _AutocastState:
+        return cls(tuple(
+            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in ("cpu", "cuda")
+        ))
+
+    def enter(self, stack: ExitStack) -> None:
+        for kind, enabled, dtype in self.settings:
+            if enabled:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+
+
+def _annotate(error: BaseException, cell: int, microbatch: int, kind: Any) -> None:
+    """Names the cell, micro-batch and pass in the error's message, keeping its type."""
+    where = f"gpipe_fast: in cell {cell}, micro-batch {microbatch}, {_PASS_NAMES[kind]} pass"
+    if error.args and isinstance(error.args[0], str) and not error.args[0].startswith("gpipe_fast:"):
+        error.args = (f"{where}: {error.args[0]}", *error.args[1:])
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(where)
+
+
+def _detach_to(value: tuple[Tensor, ...], device: torch.device, streams: CellStreams, cell: int,
+               requires_grad: Sequence[bool]) -> tuple[Tensor, ...]:
+    """The boundary crossing: the tensors on `device` as fresh autograd leaves."""
+    return tuple(
+        streams.receive(tensor.detach(), device, cell).requires_grad_(grad)
+        for tensor, grad in zip(value, requires_grad)
+    )
+
+
+class Step:
+    """One mini-batch between `pipe(x)` and its backward: stashed cell inputs, the outputs
+    (with their graphs where not checkpointed) and the gradients travelling back."""
+
+    def __init__(self, pipeline: Pipeline, microbatches: list[Value], input_needs_grad: list[bool],
+                 checkpointed: list[bool], track: bool) -> None:
+        cells, count = len(pipeline.cells), len(microbatches)
+        self.pipeline = pipeline
+        self.first_inputs = microbatches
+        self.input_needs_grad = input_needs_grad
+        self.checkpointed = checkpointed
+        self.track = track
+        self.seed = draw_step_seed() if pipeline.may_draw_random() else 0
+        self.autocast = _AutocastState.capture()
+        self.inputs: list[list[Any]] = [[None] * count for _ in range(cells)]
+        self.outputs: list[list[Any]] = [[None] * count for _ in range(cells)]
+        self.output_grads: list[list[Any]] = [[None] * count for _ in range(cells)]
+        self.input_grads: list[Any] = [None] * count
+        self.exit_grads: Any = None
+        self.gathered: tuple[Tensor, ...] = ()
+        # Whether the input of cell k can need a gradient: something before it learns.
+        upstream = any(input_needs_grad)
+        self.needs_input_grad = []
+        for cell in pipeline.cells:
+            self.needs_input_grad.append(upstream)
+            upstream = upstream or (track and any(p.requires_grad for p in cell.parameters()))
+        self.backward_done = False
+
+    # -- tasks: each runs on its cell's worker thread --------------------------------------
+
+    def run_task(self, kind: Any, cell: int, microbatch: int) -> None:
+        try:
+            if kind == _C.TaskKind.Forward:
+                self._forward(cell, microbatch)
+            elif kind == _C.TaskKind.Recompute:
+                self._recompute(cell, microbatch)
+            else:
+                self._backward(cell, microbatch)
+        except BaseException as error:
+            _annotate(error, cell, microbatch, kind)
+            raise
+
+    def _forward(self, cell: int, m: int) -> None:
+        pipeline = self.pipeline
+        if cell == 0:
+            source = self.first_inputs[m]
+            flags = self.input_needs_grad
+        else:
+            source = self.outputs[cell - 1][m]
+            if not (self.track and not self.checkpointed[m]):
+                self.outputs[cell - 1][m] = None  # no graph to keep: the stash below suffices
+            flags = [self.needs_input_grad[cell] and t.is_floating_point()
+                     for t in as_tensors(source, f"output of cell {cell - 1}")]
+        tensors = _detach_to(as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams,
+                             cell, flags)
+        checkpointing = self.track and self.checkpointed[m]
+        with self._context(cell, m, checkpointing=checkpointing, recomputing=False):
+            with torch.set_grad_enabled(self.track and not checkpointing):
+                output = pipeline.cells[cell](like(tensors, source))
+        as_tensors(output, f"the output of cell {cell}")
+        if self.track:
+            self.inputs[cell][m] = like(tensors, source)
+        self.outputs[cell][m] = output
+
+    def _recompute(self, cell: int, m: int) -> None:
+        with self._context(cell, m, checkpointing=False, recomputing=True), \
+                frozen_running_stats(self.pipeline.cells[cell]), torch.enable_grad():
+            self.outputs[cell][m] = self.pipeline.cells[cell](self.inputs[cell][m])
+
+    def _backward(self, cell: int, m: int) -> None:
+        pipeline = self.pipeline
+        outputs = as_tensors(self.outputs[cell][m], f"the output of cell {cell}")
+        grads = self.output_grads[cell][m]
+        roots, root_grads = [], []
+        for output, grad in zip(outputs, grads):
+            if output.requires_grad and grad is not None:
+                roots.append(output)
+                root_grads.append(pipeline.streams.receive(grad, output.device, cell))
+        if roots:
+            with pipeline.streams.on(cell), torch.enable_grad():
+                torch.autograd.backward(roots, root_grads)
+        inputs = as_tensors(self.inputs[cell][m], "input")
+        input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
+        if cell > 0:
+            self.output_grads[cell - 1][m] = input_grads
+        else:
+            self.input_grads[m] = input_grads
+        self.inputs[cell][m] = self.outputs[cell][m] = self.output_grads[cell][m] = None
+
+    @contextmanager
+    def _context(self, cell: int, m: int, *, checkpointing: bool, recomputing: bool) -> Iterator[None]:
+        """What a cell's forward runs under: its stream and device, the caller's autocast,
+        the pass flags, and the task's own random generators."""
+        pipeline = self.pipeline
+        with ExitStack() as stack:
+            pipeline.prepare_worker(cell)
+            stack.enter_context(pipeline.streams.on(cell))
+            self.autocast.enter(stack)
+            stack.enter_context(pass_flags(checkpointing=checkpointing, recomputing=recomputing))
+            randomness = None
+            if pipeline.random_cells.get((cell, pipeline.cells[cell].training), True):
+                randomness = stack.enter_context(TaskRandomness(task_seed(self.seed, cell, m)))
+            yield
+            if randomness is not None:
+                pipeline.random_cells[(cell, pipeline.cells[cell].training)] = randomness.used
+
+    # -- phases: run on the caller's thread ------------------------------------------------
+
+    def forward(self) -> list[Value]:
+        pipeline = self.pipeline
+        pipeline.execute(_C.gpipe_forward(len(pipeline.cells), len(self.first_inputs)), self)
+        last = len(pipeline.cells) - 1
+        outputs = self.outputs[last]
+        if not self.track:
+            self.outputs[last] = [None] * len(outputs)
+        pipeline.streams.join_caller(pipeline.devices[last])
+        return outputs
+
+    def check_backward_once(self) -> None:
+        if self.backward_done:
+            raise RuntimeError(
+                "gpipe_fast: backward through the same pipe output twice is not supported "
+                "(its activations are freed as the backward goes); run the pipe again instead"
+            )
+
+    def backward(self, grads: list[tuple[Tensor | None, ...]]) -> list[tuple[Tensor | None, ...]]:
+        self.check_backward_once()
+        self.backward_done = True
+        pipeline = self.pipeline
+        last = len(pipeline.cells) - 1
+        self.output_grads[last] = grads
+        schedule = _C.gpipe_backward(len(pipeline.cells), len(self.first_inputs), self.checkpointed)
+        pipeline.streams.cells_wait_caller()
+        pipeline.execute(schedule, self)
+        pipeline.streams.join_caller(pipeline.devices[0])
+        return self.input_grads
+
+
+class _Enter(torch.autograd.Function):
+    """Entry of the step's graph: its backward drives the pipelined backward on the caller's
+    thread (its only incoming gradient is a zero-size CPU tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, step: Step, phony: Tensor, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.step = step
+        ctx.input_meta = [(t.device, t.dtype) for t in inputs]
+        return torch.empty(0)  # the phony: carries no data, only the edge to _Exit
+
+    @staticmethod
+    def backward(ctx: Any, _grad: Tensor) -> Any:  # type: ignore[override]
+        step: Step = ctx.step
+        microbatch_grads = step.backward(step.exit_grads)
+        ctx.step = step.exit_grads = None
+        grads = []
+        tracked = [i for i, needs in enumerate(step.input_needs_grad) if needs]
+        for position, (device, dtype) in zip(tracked, ctx.input_meta):
+            pieces = [g[position] for g in microbatch_grads]
+            if any(p is None for p in pieces):
+                grads.append(None)
+            else:
+                grads.append(torch.cat([p.to(device=device, dtype=dtype) for p in pieces]))
+        return (None, None, *grads)
+
+
+class _Exit(torch.autograd.Function):
+    """The pipe's output: gathers the last cell's micro-batches; its backward only hands the
+    gradient to the step and returns, so it never blocks an autograd device thread."""
+
+    @staticmethod
+    def forward(ctx: Any, step: Step, phony: Tensor) -> Any:  # type: ignore[override]
+        outputs, step.gathered = step.gathered, ()
+        ctx.step = step
+        ctx.sizes = [as_tensors(o, "output")[0].size(0) for o in step.outputs[-1]]
+        ctx.integral = [not o.is_floating_point() for o in outputs]
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
+        step: Step = ctx.step
+        step.check_backward_once()
+        split = [g.split(ctx.sizes) if not skip else [None] * len(ctx.sizes)
+                 for g, skip in zip(grads, ctx.integral)]
+        step.exit_grads = [tuple(column[m] for column in split) for m in range(len(ctx.sizes))]
+        return None, torch.empty(0)  # a CPU gradient: _Enter runs on the caller's thread
+
+
+class Pipeline:
+    """The cells, their devices and streams, and the executor whose workers run them."""
+
+    def __init__(self, cells: Sequence[nn.Sequential], devices: Sequence[torch.device],
+                 threads_per_cell: int | None) -> None:
+        self.cells = list(cells)
+        self.devices = list(devices)
+        self.streams = CellStreams(self.devices)
+        self.executor = _C.Executor(len(self.cells), self.streams.backend)
+        self.executor.set_streams(self.streams.native())
+        self.threads_per_cell = threads_per_cell
+        self.deferred_batch_norms = [
+            layer for cell in self.cells for layer in cell.modules() if isinstance(layer, DeferredBatchNorm)
+        ]
+        # (cell, training) -> whether the cell drew random numbers; absent means unknown.
+        self.random_cells: dict[tuple[int, bool], bool] = {}
+        self._prepared: set[int] = set()
+        self._run_lock = threading.Lock()
+        # Keeps the phony leaf alive: every pipe output hangs off it.
+        self._phony = torch.empty(0, requires_grad=True)
+
+    def may_draw_random(self) -> bool:
+        return any(self.random_cells.get((k, cell.training), True) for k, cell in enumerate(self.cells))
+
+    def prepare_worker(self, cell: int) -> None:
+        """Per-worker settings, made once on the worker's own thread."""
+        if cell in self._prepared:
+            return
+        self._prepared.add(cell)
+        if self.devices[cell].type == "cpu" and self.threads_per_cell is not None:
+            torch.set_num_threads(self.threads_per_cell)
+
+    def execute(self, schedule: Any, step: Step) -> None:
+        with self._run_lock:
+            self.executor.run(schedule, step.run_task)
+
+    def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
+        with torch.no_grad():
+            microbatches = scatter(input, chunks)
+        given = as_tensors(input, "input")
+        track = torch.is_grad_enabled() and (
+            any(p.requires_grad for cell in self.cells for p in cell.parameters())
+            or any(t.requires_grad for t in given)
+        )
+        input_needs_grad = [track and t.requires_grad for t in given]
+        count = len(microbatches)
+        checkpointed = [
+            training and (checkpoint == "always" or (checkpoint == "except_last" and m < count - 1))
+            for m in range(count)
+        ]
+        step = Step(self, microbatches, input_needs_grad, checkpointed, track)
+        outputs = step.forward()
+        for layer in self.deferred_batch_norms:
+            layer.commit()
+        if not track:
+            return gather(outputs)
+        step.gathered = as_tensors(gather([_detached(o) for o in outputs]), "output")
+        inputs = [t for t, needs in zip(given, input_needs_grad) if needs]
+        phony = _Enter.apply(step, self._phony, *inputs)
+        result = _Exit.apply(step, phony)
+        return like(as_tensors(result, "output"), outputs[0])
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _detached(value: Value) -> Value:
+    return like([t.detach() for t in as_tensors(value, "output")], value)

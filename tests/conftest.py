@@ -1,0 +1,33 @@
+"""Shared fixtures: fresh seeds, and pipes closed after each test so workers never pile up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import gpipe_fast as gf
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(1234)
+
+
+@pytest.fixture
+def make_pipe() -> Iterator[type[gf.GPipe]]:
+    """Builds GPipe instances like the constructor and closes them at teardown."""
+    pipes: list[gf.GPipe] = []
+
+    def build(*args: object, **kwargs: object) -> gf.GPipe:
+        pipe = gf.GPipe(*args, **kwargs)  # type: ignore[arg-type]
+        pipes.append(pipe)
+        return pipe
+
+    yield build  # type: ignore[misc]
+    for pipe in pipes:
+        pipe.close()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

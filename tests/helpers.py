@@ -1,0 +1,55 @@
+"""Reference comparisons shared by the tests: a pipe against the unpartitioned module."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def mlp(layers: int, width: int = 6, *, dropout: float = 0.0) -> nn.Sequential:
+    """Linear+Tanh layers (plus Dropout when asked), in float64 so tolerances can be tight."""
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(width, width), nn.Tanh()]
+        if dropout:
+            modules.append(nn.Dropout(dropout))
+    return nn.Sequential(*modules).double()
+
+
+def reference_run(module: nn.Sequential, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                   list[torch.Tensor]]:
+    """Output, input gradient and parameter gradients of a copy of `module` on the whole batch."""
+    ref = copy.deepcopy(module)
+    x = x.detach().clone().requires_grad_()
+    out = ref(x)
+    (out * _weights(out)).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad, [p.grad.clone() for p in ref.parameters()]  # type: ignore[union-attr]
+
+
+def pipe_run(pipe: nn.Module, module: nn.Sequential, x: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Same as reference_run through the pipe; gradients read from the original module."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = pipe(x)
+    (out * _weights(out)).sum().backward()
+    assert x.grad is not None
+    return out.detach(), x.grad, [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def _weights(out: torch.Tensor) -> torch.Tensor:
+    # A loss whose gradient differs per element, so a mixed-up micro-batch order would show.
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
+
+
+def assert_same_run(got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+                    want: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
+    assert len(got[2]) == len(want[2])
+    for i, (g, w) in enumerate(zip(got[2], want[2])):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=f"parameter {i}")

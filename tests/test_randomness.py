@@ -1,0 +1,79 @@
+"""Randomness: recompute replays forward's dropout masks, and results follow manual_seed only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast.randomness import TaskRandomness
+from helpers import mlp
+
+
+def _step(make_pipe, checkpoint: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    module = mlp(4, width=16, dropout=0.5)
+    pipe = make_pipe(module, [4, 4, 4], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)
+    torch.manual_seed(seed)
+    x = torch.randn(12, 16, dtype=torch.float64)
+    out = pipe(x)
+    out.sum().backward()
+    return out.detach(), [p.grad.clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def test_always_and_never_agree_with_the_same_seed(make_pipe) -> None:
+    # "never" keeps forward's graph; "always" recomputes it. Equal gradients mean the
+    # recompute drew exactly forward's masks, whatever order the threads ran in.
+    out_never, grads_never = _step(make_pipe, "never", seed=5)
+    out_always, grads_always = _step(make_pipe, "always", seed=5)
+    torch.testing.assert_close(out_never, out_always, rtol=0, atol=0)
+    for a, b in zip(grads_never, grads_always):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_repeatable_and_seed_dependent(make_pipe) -> None:
+    first, _ = _step(make_pipe, "except_last", seed=5)
+    again, _ = _step(make_pipe, "except_last", seed=5)
+    other, _ = _step(make_pipe, "except_last", seed=6)
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first, other)
+
+
+def test_dropout_masks_differ_between_microbatches_and_steps(make_pipe) -> None:
+    module = nn.Sequential(nn.Dropout(0.5), nn.Identity())
+    pipe = make_pipe(module, [1, 1], devices=["cpu", "cpu"], chunks=2)
+    ones = torch.ones(2, 64)
+    out = pipe(ones)
+    assert not torch.equal(out[0], out[1])  # each micro-batch has its own generator
+    assert not torch.equal(out, pipe(ones))  # and each step its own seed
+
+
+def test_task_randomness_reports_use() -> None:
+    with TaskRandomness(3) as quiet:
+        torch.ones(3).add_(1)
+    with TaskRandomness(3) as noisy:
+        a = torch.rand(4)
+    with TaskRandomness(3):
+        b = torch.rand(4)
+    assert not quiet.used and noisy.used
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_pass_flags_seen_by_layers(make_pipe, checkpoint: str) -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((gf.is_checkpointing(), gf.is_recomputing()))
+            return x * 2
+
+    module = nn.Sequential(nn.Linear(2, 2), Probe())
+    pipe = make_pipe(module, [1, 1], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    pipe(torch.randn(3, 2)).sum().backward()
+    checkpointed = {"always": 3, "except_last": 2, "never": 0}[checkpoint]
+    assert seen.count((True, False)) == checkpointed
+    assert seen.count((False, True)) == checkpointed
+    assert seen.count((False, False)) == 3 - checkpointed
+    assert not gf.is_checkpointing() and not gf.is_recomputing()  # caller's thread untouched
