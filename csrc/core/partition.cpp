@@ -63,9 +63,10 @@ std::vector<int> partition(const std::vector<double>& costs, int cells) {
     prefix[static_cast<std::size_t>(i + 1)] = prefix[static_cast<std::size_t>(i)] + c;
   }
 
-  const double bound = min_bottleneck(prefix, cells);
-  // Relative slack so that sums taken in another order still count as reaching the bound.
-  const double limit = bound + 1e-12 * std::max(1.0, prefix.back());
+  // The bound is itself a difference of this same prefix array, so the optimal split's cells
+  // compare <= it exactly. Any slack would admit splits with a worse bottleneck: an absolute
+  // one swamps tiny costs (seconds per layer), a relative one swamps unit steps in huge ones.
+  const double limit = min_bottleneck(prefix, cells);
 
   // Among splits with every cell <= limit, minimise the sum of squared cell costs.
   const auto width = static_cast<std::size_t>(n + 1);
