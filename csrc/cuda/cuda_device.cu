@@ -32,13 +32,17 @@ cudaStream_t as_cuda(const Stream& stream) {
 class CudaSync final : public StreamSync {
  public:
   ~CudaSync() override {
-    for (auto& slot : slots_) cudaEventDestroy(slot.event);
+    for (auto& slot : slots_) {
+      if (slot.event != nullptr) cudaEventDestroy(slot.event);
+    }
   }
 
   std::string name() const override { return "cuda"; }
 
+  // A stream with device < 0 is the host's (a CPU cell in a mixed pipeline): its work is
+  // done when the task returns, so its "event" is a plain marker that nobody must wait for.
   EventId record(const Stream& stream) override {
-    GF_EXPECTS(stream.device >= 0, "a CUDA stream needs a device index");
+    if (stream.device < 0) return acquire_marker();
     DeviceGuard guard(stream.device);
     const EventId id = acquire(stream.device);
     GF_CUDA_CHECK(cudaEventRecord(slot(id).event, as_cuda(stream)));
@@ -46,11 +50,21 @@ class CudaSync final : public StreamSync {
   }
 
   void wait(const Stream& stream, EventId event) override {
+    const Slot& s = slot(event);
+    if (s.device < 0) return;  // host work is already finished
+    if (stream.device < 0) {
+      // The host is about to read what a device produced: it must really wait.
+      GF_CUDA_CHECK(cudaEventSynchronize(s.event));
+      return;
+    }
     DeviceGuard guard(stream.device);
-    GF_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(stream), slot(event).event, 0));
+    GF_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(stream), s.event, 0));
   }
 
-  void synchronize(EventId event) override { GF_CUDA_CHECK(cudaEventSynchronize(slot(event).event)); }
+  void synchronize(EventId event) override {
+    const Slot& s = slot(event);
+    if (s.device >= 0) GF_CUDA_CHECK(cudaEventSynchronize(s.event));
+  }
 
   void release(EventId event) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -76,6 +90,20 @@ class CudaSync final : public StreamSync {
     int device;
     bool live;
   };
+
+  EventId acquire_marker() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++live_;
+    auto& free = free_[-1];
+    if (!free.empty()) {
+      const EventId id = free.back();
+      free.pop_back();
+      slots_[static_cast<std::size_t>(id)].live = true;
+      return id;
+    }
+    slots_.push_back(Slot{nullptr, -1, true});
+    return static_cast<EventId>(slots_.size() - 1);
+  }
 
   // Reuses a free event of that device, or creates one (current device set by the caller).
   EventId acquire(int device) {
