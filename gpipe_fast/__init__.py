@@ -10,6 +10,7 @@ except ImportError as error:  # no silent fallback: the engine is native
     ) from error
 
 from gpipe_fast.balance import (
+    balance_by_costs,
     balance_by_params,
     balance_by_size,
     balance_by_time,
@@ -17,15 +18,20 @@ from gpipe_fast.balance import (
 )
 from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.gpipe import GPipe
+from gpipe_fast.plan import CellPlan, Plan, plan
 
 __all__ = [
-    "GPipe",
     "_C",
+    "CellPlan",
+    "GPipe",
+    "Plan",
+    "balance_by_costs",
     "balance_by_params",
     "balance_by_size",
     "balance_by_time",
     "is_checkpointing",
     "is_recomputing",
     "partition",
+    "plan",
 ]
 __version__ = "0.1.0"

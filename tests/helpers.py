@@ -1,8 +1,9 @@
-"""Reference comparisons shared by the tests: a pipe against the unpartitioned module."""
+"""Shared test helpers: reference runs against the unpartitioned module, layers of known cost."""
 
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -18,8 +19,9 @@ def mlp(layers: int, width: int = 6, *, dropout: float = 0.0) -> nn.Sequential:
     return nn.Sequential(*modules).double()
 
 
-def reference_run(module: nn.Sequential, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                   list[torch.Tensor]]:
+def reference_run(
+    module: nn.Sequential, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Output, input gradient and parameter gradients of a copy of `module` on the whole batch."""
     ref = copy.deepcopy(module)
     x = x.detach().clone().requires_grad_()
@@ -29,8 +31,9 @@ def reference_run(module: nn.Sequential, x: torch.Tensor) -> tuple[torch.Tensor,
     return out.detach(), x.grad, [p.grad.clone() for p in ref.parameters()]  # type: ignore[union-attr]
 
 
-def pipe_run(pipe: nn.Module, module: nn.Sequential, x: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def pipe_run(
+    pipe: nn.Module, module: nn.Sequential, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Same as reference_run through the pipe; gradients read from the original module."""
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_()
@@ -46,10 +49,48 @@ def _weights(out: torch.Tensor) -> torch.Tensor:
     return torch.randn(out.shape, generator=g, dtype=out.dtype).to(out.device)
 
 
-def assert_same_run(got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
-                    want: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> None:
+def assert_same_run(
+    got: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+    want: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+) -> None:
     torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(got[1], want[1], rtol=1e-10, atol=1e-12)
     assert len(got[2]) == len(want[2])
-    for i, (g, w) in enumerate(zip(got[2], want[2])):
+    for i, (g, w) in enumerate(zip(got[2], want[2], strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=f"parameter {i}")
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps in forward and in backward: a layer of known time."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):  # type: ignore[no-untyped-def]
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class Sleepy(nn.Module):
+    def __init__(self, forward_ms: float = 0.0, backward_ms: float = 0.0) -> None:
+        super().__init__()
+        self.forward_s = forward_ms / 1000
+        self.backward_s = backward_ms / 1000
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.forward_s, self.backward_s)
+
+
+def funnel() -> nn.Sequential:
+    # Parameters: 272, 4352, 65792, 4112, 272: the middle layer outweighs all others together.
+    return nn.Sequential(
+        nn.Linear(16, 16),
+        nn.Linear(16, 256),
+        nn.Linear(256, 256),
+        nn.Linear(256, 16),
+        nn.Linear(16, 16),
+    )

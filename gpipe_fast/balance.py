@@ -1,0 +1,441 @@
+"""Chooses a balance (layers per cell) from per-layer costs: parameters, time, size, or yours."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import numbers
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_fast import _C
+
+Device = torch.device | str | int
+Sample = Tensor | tuple[Tensor, ...]
+
+TIME_COSTS = ("total", "forward", "backward")
+# A backward pass computes gradients for both the inputs and the weights, about two forwards'
+# work; assumed wherever the costs describe the forward (or the layer) but not its backward.
+BACKWARD_PER_FORWARD = 2.0
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _check_count(value: object, name: str, layers: int) -> int:
+    """`value` as a number of cells: an int in [1, layers]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    count = int(value)
+    if count < 1:
+        raise ValueError(f"{name} must be >= 1, got {count}")
+    if count > layers:
+        raise ValueError(f"{name} ({count}) must not exceed the number of layers ({layers})")
+    return count
+
+
+def _check_cost(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    cost = float(value)
+    if not math.isfinite(cost) or cost < 0.0:
+        raise ValueError(f"{name} = {cost}: costs must be finite and non-negative")
+    return cost
+
+
+def _check_costs(costs: object, name: str) -> list[float]:
+    if isinstance(costs, (str, bytes)) or not isinstance(costs, Iterable):
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(costs).__name__}")
+    checked = [_check_cost(cost, f"{name}[{i}]") for i, cost in enumerate(costs)]
+    if not checked:
+        raise ValueError(f"{name} must not be empty")
+    return checked
+
+
+def _check_module(module: object) -> nn.Sequential:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+    if len(module) == 0:
+        raise ValueError("module must have at least one layer")
+    return module
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return str(value)
+
+
+def _check_balance(balance: object, cells: int, layers: int) -> list[int]:
+    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
+        raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
+    sizes = [_check_int(size, f"balance[{i}]", 1) for i, size in enumerate(balance)]
+    if len(sizes) != cells:
+        raise ValueError(f"balance has {len(sizes)} cells but partitions is {cells}")
+    if sum(sizes) != layers:
+        raise ValueError(f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers")
+    return sizes
+
+
+def _sample_tensors(value: object, name: str) -> tuple[Tensor, ...]:
+    """The tensors of a Tensor or a non-empty tuple of Tensors; TypeError naming `name` else."""
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value):
+        return value
+    raise TypeError(
+        f"{name} must be a Tensor or a non-empty tuple of Tensors, got {type(value).__name__}"
+    )
+
+
+def _resolve_device(device: Device | None, module: nn.Module) -> torch.device:
+    """`device`, or where the module already lives (its first parameter or buffer), or CPU."""
+    if device is None:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device is not a device: {device!r}") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {resolved} was asked for, but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+# -- the partitioner ----------------------------------------------------------------------------
+
+
+def partition(costs: Sequence[float], k: int) -> list[int]:
+    """Layers per cell of the contiguous split of `costs` into `k` non-empty cells whose largest
+    cell cost is the smallest possible; among such splits, the most even one (least sum of
+    squared cell costs). Exact, by the native dynamic program in gpipe_fast._C."""
+    checked = _check_costs(costs, "costs")
+    cells = _check_count(k, "k", len(checked))
+    return list(_C.partition(checked, cells))
+
+
+# -- per-layer costs ----------------------------------------------------------------------------
+
+
+def layer_param_counts(module: nn.Sequential) -> list[int]:
+    """Parameter elements of each layer."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in _check_module(module)]
+
+
+def layer_param_bytes(module: nn.Sequential) -> list[int]:
+    """Parameter bytes of each layer."""
+    return [
+        sum(p.numel() * p.element_size() for p in layer.parameters())
+        for layer in _check_module(module)
+    ]
+
+
+def layer_costs_by_params(module: nn.Sequential) -> list[float]:
+    """Parameter elements of each layer, plus one.
+
+    The one makes a parameter-free layer (an activation, a reshape) weigh as a single element:
+    nothing next to any real layer, yet enough that a run of such layers is spread evenly
+    instead of lying anywhere among equal-cost splits, and a module of only such layers is cut
+    into cells of equal length.
+    """
+    return [float(count + 1) for count in layer_param_counts(module)]
+
+
+@dataclass
+class LayerProfile:
+    """Per-layer measurements of one pass of a sample through a module, layer by layer."""
+
+    forward: list[float]  # seconds, median over the repeats
+    backward: list[float]  # seconds, median over the repeats; 0 where no gradient flows
+    output_bytes: list[int]  # bytes of each layer's output tensors
+
+    def costs(self, cost: str = "total") -> list[float]:
+        """Per-layer seconds of the forward, the backward or both ("total")."""
+        cost = _check_choice(cost, "cost", TIME_COSTS)
+        if cost == "forward":
+            return list(self.forward)
+        if cost == "backward":
+            return list(self.backward)
+        return [f + b for f, b in zip(self.forward, self.backward, strict=True)]
+
+
+def _profiling_copy(layer: nn.Module, index: int, device: torch.device) -> nn.Module:
+    """A training-mode copy of `layer` on `device`. Measuring a copy leaves the user's layer
+    exactly as it was: its mode, device, requires_grad flags, .grad and running statistics
+    (BatchNorm's would otherwise move with every profiling forward)."""
+    try:
+        duplicate = copy.deepcopy(layer)
+    except RuntimeError as error:  # e.g. a non-leaf tensor attribute (old-style weight_norm)
+        raise TypeError(
+            f"module[{index}] cannot be deep-copied for profiling ({error}); balance this "
+            "module with balance_by_params or balance_by_costs instead"
+        ) from error
+    return duplicate.to(device).train()
+
+
+def _tensors_of_output(value: object, index: int) -> tuple[Tensor, ...]:
+    return _sample_tensors(value, f"the output of module[{index}]")
+
+
+def _like(tensors: Sequence[Tensor], template: object) -> Sample:
+    """Packs tensors the way `template` was packed: a lone Tensor or a tuple."""
+    return tuple(tensors) if isinstance(template, tuple) else tensors[0]
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fresh_input(value: Sample, needs_grad: Sequence[bool]) -> Sample:
+    """`value` as a cell boundary hands it over: fresh autograd leaves. Each is then cloned so
+    that an in-place first op (ReLU(inplace=True)) neither trips over a leaf nor changes the
+    input of the next repeat."""
+    tensors = _sample_tensors(value, "sample")
+    fresh = [
+        t.detach().requires_grad_(grad).clone() for t, grad in zip(tensors, needs_grad, strict=True)
+    ]
+    return _like(fresh, value)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds `fn(*args)` takes on `device`, waiting for queued kernels on both sides."""
+    _synchronize(device)
+    start = time.perf_counter()
+    result = fn(*args)
+    _synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
+    """The outputs a gradient can flow into, with an all-ones gradient for each."""
+    roots = [t for t in outputs if t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _profile_layer(
+    layer: nn.Module,
+    value: Sample,
+    needs_grad: Sequence[bool],
+    index: int,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float, Sample]:
+    """Median forward and backward seconds of one layer, and its (detached) output."""
+    forward_times, backward_times = [], []
+    output: Any = None
+    for run in range(warmup + repeats):
+        inputs = _fresh_input(value, needs_grad)
+        forward_s, output = _timed(device, layer, inputs)
+        roots, grads = _backward_roots(_tensors_of_output(output, index))
+        backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
+        if run >= warmup:
+            forward_times.append(forward_s)
+            backward_times.append(backward_s)
+    detached = _like([t.detach() for t in _tensors_of_output(output, index)], output)
+    return statistics.median(forward_times), statistics.median(backward_times), detached
+
+
+def profile_layers(
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> LayerProfile:
+    """Times each layer's forward and backward on `device`, feeding `sample` through the module
+    layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
+    leaves that need a gradient once anything upstream learns. Runs copies of the layers in
+    training mode, so the module itself is left untouched. `device` defaults to where the
+    module's parameters are (CPU without any)."""
+    module = _check_module(module)
+    target = _resolve_device(device, module)
+    warmup = _check_int(warmup, "warmup", 0)
+    repeats = _check_int(repeats, "repeats", 1)
+    tensors = _sample_tensors(sample, "sample")
+    value = _like([t.to(target) for t in tensors], sample)
+    needs_grad = [t.requires_grad for t in tensors]
+    upstream = any(needs_grad)  # does anything before this layer learn?
+
+    profile = LayerProfile([], [], [])
+    with torch.enable_grad():
+        for index, layer in enumerate(module):
+            work = _profiling_copy(layer, index, target)
+            forward_s, backward_s, value = _profile_layer(
+                work, value, needs_grad, index, target, warmup, repeats
+            )
+            profile.forward.append(forward_s)
+            profile.backward.append(backward_s)
+            profile.output_bytes.append(_nbytes(_tensors_of_output(value, index)))
+            upstream = upstream or any(p.requires_grad for p in work.parameters())
+            needs_grad = [
+                upstream and t.is_floating_point() for t in _tensors_of_output(value, index)
+            ]
+            del work
+    return profile
+
+
+def layer_costs_by_time(
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    cost: str = "total",
+) -> list[float]:
+    """Measured seconds per layer (see profile_layers): "forward", "backward" or both."""
+    cost = _check_choice(cost, "cost", TIME_COSTS)
+    return profile_layers(module, sample, device=device, warmup=warmup, repeats=repeats).costs(cost)
+
+
+def layer_output_bytes(
+    module: nn.Sequential, sample: Sample, *, device: Device | None = None
+) -> list[int]:
+    """Bytes of each layer's output tensors, measured by one forward of `sample` (no graph) on
+    copies of the layers in training mode. Outputs that are views still count in full: at a
+    cell boundary they become tensors of their own."""
+    module = _check_module(module)
+    target = _resolve_device(device, module)
+    tensors = _sample_tensors(sample, "sample")
+    # A copy even on the same device: an in-place first layer must not edit the caller's sample.
+    value: Sample = _like([t.detach().to(target, copy=True) for t in tensors], sample)
+    sizes = []
+    with torch.no_grad():
+        for index, layer in enumerate(module):
+            value = _profiling_copy(layer, index, target)(value)
+            sizes.append(_nbytes(_tensors_of_output(value, index)))
+    return sizes
+
+
+def _check_param_scale(param_scale: object) -> float:
+    if isinstance(param_scale, bool) or not isinstance(param_scale, numbers.Real):
+        raise TypeError(f"param_scale must be a number, got {type(param_scale).__name__}")
+    if not math.isfinite(param_scale) or param_scale < 0.0:
+        raise ValueError(f"param_scale must be finite and >= 0, got {param_scale}")
+    return float(param_scale)
+
+
+def layer_costs_by_size(
+    module: nn.Sequential, sample: Sample, *, device: Device | None = None, param_scale: float = 2.0
+) -> list[float]:
+    """Memory per layer in bytes: its output tensors' bytes on `sample` plus its parameter bytes
+    times `param_scale`. The default 2.0 counts each parameter's gradient beside it; raise it
+    for optimizer state kept on the same device (Adam's two moments: 4.0)."""
+    scale = _check_param_scale(param_scale)
+    activations = layer_output_bytes(module, sample, device=device)
+    return [
+        float(out) + scale * params
+        for out, params in zip(activations, layer_param_bytes(module), strict=True)
+    ]
+
+
+# -- balances -----------------------------------------------------------------------------------
+
+
+def balance_by_params(partitions: int, module: nn.Sequential) -> list[int]:
+    """A balance evening out parameter counts (see layer_costs_by_params); needs no sample."""
+    module = _check_module(module)
+    cells = _check_count(partitions, "partitions", len(module))
+    return partition(layer_costs_by_params(module), cells)
+
+
+def balance_by_time(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    cost: str = "total",
+) -> list[int]:
+    """A balance evening out measured time per cell. `sample` is a representative input batch;
+    `cost` picks what to even out: "total" (forward + backward, for training), "forward" (for
+    inference) or "backward". The module is left as it was (see profile_layers)."""
+    module = _check_module(module)
+    cells = _check_count(partitions, "partitions", len(module))
+    costs = layer_costs_by_time(
+        module, sample, device=device, warmup=warmup, repeats=repeats, cost=cost
+    )
+    return partition(costs, cells)
+
+
+def balance_by_size(
+    partitions: int,
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    param_scale: float = 2.0,
+) -> list[int]:
+    """A balance evening out memory per cell (see layer_costs_by_size)."""
+    module = _check_module(module)
+    cells = _check_count(partitions, "partitions", len(module))
+    return partition(
+        layer_costs_by_size(module, sample, device=device, param_scale=param_scale), cells
+    )
+
+
+def _layer_count(module_or_len: object) -> int:
+    if isinstance(module_or_len, nn.Module):
+        if not isinstance(module_or_len, nn.Sequential):
+            raise TypeError(
+                "module_or_len must be a torch.nn.Sequential or a layer count, got "
+                f"{type(module_or_len).__name__}"
+            )
+        if len(module_or_len) == 0:
+            raise ValueError("module_or_len must have at least one layer")
+        return len(module_or_len)
+    return _check_int(module_or_len, "module_or_len", 1)
+
+
+def balance_by_costs(
+    partitions: int,
+    module_or_len: nn.Sequential | int,
+    costs: Sequence[float] | Callable[[nn.Module], float],
+) -> list[int]:
+    """A balance evening out costs the caller knows: one number per layer, or a function giving
+    a layer's cost (then `module_or_len` must be the module itself, not its length)."""
+    layers = _layer_count(module_or_len)
+    cells = _check_count(partitions, "partitions", layers)
+    if callable(costs):
+        if not isinstance(module_or_len, nn.Sequential):
+            raise TypeError(
+                "costs is a function of a layer, so module_or_len must be the "
+                "nn.Sequential itself, not a layer count"
+            )
+        values = [
+            _check_cost(costs(layer), f"costs(module[{i}])")
+            for i, layer in enumerate(module_or_len)
+        ]
+    else:
+        values = _check_costs(costs, "costs")
+        if len(values) != layers:
+            raise ValueError(f"costs has {len(values)} entries, but there are {layers} layers")
+    return partition(values, cells)
