@@ -60,7 +60,9 @@ class DeferredBatchNorm(_BatchNorm):
         else:
             momentum = self.momentum
         self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
-        self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(
+            unbiased.to(self.running_var.dtype), alpha=momentum
+        )
         self._sum = self._squares = None
         self._count = 0
 
@@ -68,7 +70,11 @@ class DeferredBatchNorm(_BatchNorm):
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replaces BatchNorm layers in `module` (itself or nested) by DeferredBatchNorm
         sharing the same parameters and buffers, so state stays with the user's tensors."""
-        if isinstance(module, _BatchNorm) and not isinstance(module, cls) and module.track_running_stats:
+        if (
+            isinstance(module, _BatchNorm)
+            and not isinstance(module, cls)
+            and module.track_running_stats
+        ):
             deferred = cls(module.num_features, module.eps, module.momentum, module.affine, True)
             deferred.weight, deferred.bias = module.weight, module.bias
             deferred.running_mean = module.running_mean
@@ -90,18 +96,23 @@ def frozen_running_stats(module: nn.Module) -> Iterator[None]:
     restored by copying: autograd saved them for backward), and the batch counter is put back.
     """
     layers = [
-        m for m in module.modules()
-        if isinstance(m, _BatchNorm) and not isinstance(m, DeferredBatchNorm)
-        and m.training and m.track_running_stats
+        m
+        for m in module.modules()
+        if isinstance(m, _BatchNorm)
+        and not isinstance(m, DeferredBatchNorm)
+        and m.training
+        and m.track_running_stats
     ]
-    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in layers]
+    saved = [
+        (m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+        for m in layers
+    ]
     for m in layers:
         m.momentum = 0.0
     try:
         yield
     finally:
-        for m, (momentum, tracked) in zip(layers, saved):
+        for m, (momentum, tracked) in zip(layers, saved, strict=True):
             m.momentum = momentum
             if tracked is not None and m.num_batches_tracked is not None:
                 m.num_batches_tracked.copy_(tracked)

@@ -7,7 +7,7 @@ import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.microbatch import Value
 from gpipe_fast.pipeline import Pipeline
 
-Device = Union[torch.device, str, int]
+Device = torch.device | str | int
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 # Pipes still holding workers; joined before the interpreter starts tearing down.
@@ -67,13 +67,13 @@ class GPipe(nn.Module):
         if balance is None:
             from gpipe_fast.balance import balance_by_params
 
-            cells = min(len(module), len(resolved_devices) if devices is not None or
-                        resolved_devices[0].type == "cuda" else _cpu_cores())
-            balance = balance_by_params(cells, module)
+            # One cell per device (by default every GPU, else one CPU cell per core).
+            balance = balance_by_params(min(len(module), len(resolved_devices)), module)
         balance = _check_balance(balance, len(module))
         if len(resolved_devices) < len(balance):
             raise ValueError(
-                f"devices: {len(balance)} cells need {len(balance)} devices, got {len(resolved_devices)}"
+                f"devices: {len(balance)} cells need {len(balance)} devices, "
+                f"got {len(resolved_devices)}"
             )
 
         self.balance = list(balance)
@@ -84,8 +84,8 @@ class GPipe(nn.Module):
 
         named = list(module._modules.items())  # named_children() would drop a repeated layer
         cells, start = [], 0
-        for size, device in zip(self.balance, self.devices):
-            cell = nn.Sequential(OrderedDict(named[start:start + size]))
+        for size, device in zip(self.balance, self.devices, strict=True):
+            cell = nn.Sequential(OrderedDict(named[start : start + size]))
             if deferred_batch_norm:
                 cell = DeferredBatchNorm.convert(cell)
             cells.append(cell.to(device))
@@ -123,16 +123,22 @@ class GPipe(nn.Module):
 
     def extra_repr(self) -> str:
         devices = [str(d) for d in self.devices]
-        return (f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
-                f"checkpoint={self.checkpoint!r}")
+        return (
+            f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
-        raise TypeError("a GPipe owns worker threads and cannot be deep-copied; copy the "
-                        "wrapped module and build a new GPipe")
+        raise TypeError(
+            "a GPipe owns worker threads and cannot be deep-copied; copy the "
+            "wrapped module and build a new GPipe"
+        )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("a GPipe cannot be pickled; save pipe.state_dict() instead (it has "
-                        "the original module's keys)")
+        raise TypeError(
+            "a GPipe cannot be pickled; save pipe.state_dict() instead (it has "
+            "the original module's keys)"
+        )
 
 
 def _cpu_cores() -> int:
@@ -171,7 +177,9 @@ def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
     if not balance:
         raise ValueError("balance must name at least one cell")
     if sum(balance) != layers:
-        raise ValueError(f"balance {list(balance)} sums to {sum(balance)}, but module has {layers} layers")
+        raise ValueError(
+            f"balance {list(balance)} sums to {sum(balance)}, but module has {layers} layers"
+        )
     return list(balance)
 
 
@@ -199,7 +207,7 @@ def _default_threads_per_cell(devices: list[torch.device]) -> int | None:
 def _strip_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, _meta: Any) -> None:
     for key in list(state):
         if key.startswith(prefix + "partitions."):
-            rest = key[len(prefix) + len("partitions."):]
+            rest = key[len(prefix) + len("partitions.") :]
             state[prefix + rest.split(".", 1)[1]] = state.pop(key)
 
 
@@ -207,7 +215,7 @@ def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any)
     for key in list(state):
         if not key.startswith(prefix):
             continue
-        layer = key[len(prefix):].split(".", 1)[0]
+        layer = key[len(prefix) :].split(".", 1)[0]
         cell = module._cell_of.get(layer)
         if cell is not None:
-            state[f"{prefix}partitions.{cell}.{key[len(prefix):]}"] = state.pop(key)
+            state[f"{prefix}partitions.{cell}.{key[len(prefix) :]}"] = state.pop(key)

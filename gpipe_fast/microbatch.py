@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
 # A value flowing between cells: what the user passes and what cells return.
-Value = Union[Tensor, tuple[Tensor, ...]]
+Value = Tensor | tuple[Tensor, ...]
 
 
 def as_tensors(value: object, what: str) -> tuple[Tensor, ...]:
@@ -17,7 +15,9 @@ def as_tensors(value: object, what: str) -> tuple[Tensor, ...]:
         return (value,)
     if isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value):
         return value
-    raise TypeError(f"{what} must be a Tensor or a non-empty tuple of Tensors, got {_describe(value)}")
+    raise TypeError(
+        f"{what} must be a Tensor or a non-empty tuple of Tensors, got {_describe(value)}"
+    )
 
 
 def like(tensors: tuple[Tensor, ...] | list[Tensor], template: Value) -> Value:
@@ -59,7 +59,7 @@ def gather(values: list[Value]) -> Value:
     """Concatenates micro-batch results along dim 0 (no copy for a single micro-batch)."""
     if len(values) == 1:
         return values[0]
-    columns = zip(*(as_tensors(v, "output") for v in values))
+    columns = zip(*(as_tensors(v, "output") for v in values), strict=True)
     return like([torch.cat(column) for column in columns], values[0])
 
 

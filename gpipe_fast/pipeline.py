@@ -49,10 +49,12 @@ class _AutocastState:
 
     @classmethod
     def capture(cls) -> _AutocastState:
-        return cls(tuple(
-            (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-            for kind in ("cpu", "cuda")
-        ))
+        return cls(
+            tuple(
+                (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for kind in ("cpu", "cuda")
+            )
+        )
 
     def enter(self, stack: ExitStack) -> None:
         for kind, enabled, dtype in self.settings:
@@ -63,18 +65,27 @@ class _AutocastState:
 def _annotate(error: BaseException, cell: int, microbatch: int, kind: Any) -> None:
     """Names the cell, micro-batch and pass in the error's message, keeping its type."""
     where = f"gpipe_fast: in cell {cell}, micro-batch {microbatch}, {_PASS_NAMES[kind]} pass"
-    if error.args and isinstance(error.args[0], str) and not error.args[0].startswith("gpipe_fast:"):
+    if (
+        error.args
+        and isinstance(error.args[0], str)
+        and not error.args[0].startswith("gpipe_fast:")
+    ):
         error.args = (f"{where}: {error.args[0]}", *error.args[1:])
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(where)
 
 
-def _detach_to(value: tuple[Tensor, ...], device: torch.device, streams: CellStreams, cell: int,
-               requires_grad: Sequence[bool]) -> tuple[Tensor, ...]:
+def _detach_to(
+    value: tuple[Tensor, ...],
+    device: torch.device,
+    streams: CellStreams,
+    cell: int,
+    requires_grad: Sequence[bool],
+) -> tuple[Tensor, ...]:
     """The boundary crossing: the tensors on `device` as fresh autograd leaves."""
     return tuple(
         streams.receive(tensor.detach(), device, cell).requires_grad_(grad)
-        for tensor, grad in zip(value, requires_grad)
+        for tensor, grad in zip(value, requires_grad, strict=True)
     )
 
 
@@ -82,8 +93,14 @@ class Step:
     """One mini-batch between `pipe(x)` and its backward: stashed cell inputs, the outputs
     (with their graphs where not checkpointed) and the gradients travelling back."""
 
-    def __init__(self, pipeline: Pipeline, microbatches: list[Value], input_needs_grad: list[bool],
-                 checkpointed: list[bool], track: bool) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        microbatches: list[Value],
+        input_needs_grad: list[bool],
+        checkpointed: list[bool],
+        track: bool,
+    ) -> None:
         cells, count = len(pipeline.cells), len(microbatches)
         self.pipeline = pipeline
         self.first_inputs = microbatches
@@ -129,10 +146,13 @@ class Step:
             source = self.outputs[cell - 1][m]
             if not (self.track and not self.checkpointed[m]):
                 self.outputs[cell - 1][m] = None  # no graph to keep: the stash below suffices
-            flags = [self.needs_input_grad[cell] and t.is_floating_point()
-                     for t in as_tensors(source, f"output of cell {cell - 1}")]
-        tensors = _detach_to(as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams,
-                             cell, flags)
+            flags = [
+                self.needs_input_grad[cell] and t.is_floating_point()
+                for t in as_tensors(source, f"output of cell {cell - 1}")
+            ]
+        tensors = _detach_to(
+            as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams, cell, flags
+        )
         checkpointing = self.track and self.checkpointed[m]
         with self._context(cell, m, checkpointing=checkpointing, recomputing=False):
             with torch.set_grad_enabled(self.track and not checkpointing):
@@ -143,8 +163,11 @@ class Step:
         self.outputs[cell][m] = output
 
     def _recompute(self, cell: int, m: int) -> None:
-        with self._context(cell, m, checkpointing=False, recomputing=True), \
-                frozen_running_stats(self.pipeline.cells[cell]), torch.enable_grad():
+        with (
+            self._context(cell, m, checkpointing=False, recomputing=True),
+            frozen_running_stats(self.pipeline.cells[cell]),
+            torch.enable_grad(),
+        ):
             self.outputs[cell][m] = self.pipeline.cells[cell](self.inputs[cell][m])
 
     def _backward(self, cell: int, m: int) -> None:
@@ -152,7 +175,7 @@ class Step:
         outputs = as_tensors(self.outputs[cell][m], f"the output of cell {cell}")
         grads = self.output_grads[cell][m]
         roots, root_grads = [], []
-        for output, grad in zip(outputs, grads):
+        for output, grad in zip(outputs, grads, strict=True):
             if output.requires_grad and grad is not None:
                 roots.append(output)
                 root_grads.append(pipeline.streams.receive(grad, output.device, cell))
@@ -168,7 +191,9 @@ class Step:
         self.inputs[cell][m] = self.outputs[cell][m] = self.output_grads[cell][m] = None
 
     @contextmanager
-    def _context(self, cell: int, m: int, *, checkpointing: bool, recomputing: bool) -> Iterator[None]:
+    def _context(
+        self, cell: int, m: int, *, checkpointing: bool, recomputing: bool
+    ) -> Iterator[None]:
         """What a cell's forward runs under: its stream and device, the caller's autocast,
         the pass flags, and the task's own random generators."""
         pipeline = self.pipeline
@@ -233,7 +258,7 @@ class _Enter(torch.autograd.Function):
         ctx.step = step.exit_grads = None
         grads = []
         tracked = [i for i, needs in enumerate(step.input_needs_grad) if needs]
-        for position, (device, dtype) in zip(tracked, ctx.input_meta):
+        for position, (device, dtype) in zip(tracked, ctx.input_meta, strict=True):
             pieces = [g[position] for g in microbatch_grads]
             if any(p is None for p in pieces):
                 grads.append(None)
@@ -259,8 +284,10 @@ class _Exit(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
         step: Step = ctx.step
         step.check_backward_once()
-        split = [g.split(ctx.sizes) if not skip else [None] * len(ctx.sizes)
-                 for g, skip in zip(grads, ctx.integral)]
+        split = [
+            g.split(ctx.sizes) if not skip else [None] * len(ctx.sizes)
+            for g, skip in zip(grads, ctx.integral, strict=True)
+        ]
         step.exit_grads = [tuple(column[m] for column in split) for m in range(len(ctx.sizes))]
         return None, torch.empty(0)  # a CPU gradient: _Enter runs on the caller's thread
 
@@ -268,8 +295,12 @@ class _Exit(torch.autograd.Function):
 class Pipeline:
     """The cells, their devices and streams, and the executor whose workers run them."""
 
-    def __init__(self, cells: Sequence[nn.Sequential], devices: Sequence[torch.device],
-                 threads_per_cell: int | None) -> None:
+    def __init__(
+        self,
+        cells: Sequence[nn.Sequential],
+        devices: Sequence[torch.device],
+        threads_per_cell: int | None,
+    ) -> None:
         self.cells = list(cells)
         self.devices = list(devices)
         self.streams = CellStreams(self.devices)
@@ -277,7 +308,10 @@ class Pipeline:
         self.executor.set_streams(self.streams.native())
         self.threads_per_cell = threads_per_cell
         self.deferred_batch_norms = [
-            layer for cell in self.cells for layer in cell.modules() if isinstance(layer, DeferredBatchNorm)
+            layer
+            for cell in self.cells
+            for layer in cell.modules()
+            if isinstance(layer, DeferredBatchNorm)
         ]
         # (cell, training) -> whether the cell drew random numbers; absent means unknown.
         self.random_cells: dict[tuple[int, bool], bool] = {}
@@ -287,7 +321,9 @@ class Pipeline:
         self._phony = torch.empty(0, requires_grad=True)
 
     def may_draw_random(self) -> bool:
-        return any(self.random_cells.get((k, cell.training), True) for k, cell in enumerate(self.cells))
+        return any(
+            self.random_cells.get((k, cell.training), True) for k, cell in enumerate(self.cells)
+        )
 
     def prepare_worker(self, cell: int) -> None:
         """Per-worker settings, made once on the worker's own thread."""
@@ -322,7 +358,7 @@ class Pipeline:
         if not track:
             return gather(outputs)
         step.gathered = as_tensors(gather([_detached(o) for o in outputs]), "output")
-        inputs = [t for t, needs in zip(given, input_needs_grad) if needs]
+        inputs = [t for t, needs in zip(given, input_needs_grad, strict=True) if needs]
         phony = _Enter.apply(step, self._phony, *inputs)
         result = _Exit.apply(step, phony)
         return like(as_tensors(result, "output"), outputs[0])

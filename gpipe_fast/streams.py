@@ -31,7 +31,9 @@ class CellStreams:
     def native(self) -> list[Any]:
         """The streams as plain facts for the executor (device -1: a host stream)."""
         return [
-            _C.Stream(-1, 0) if stream is None else _C.Stream(stream.device.index, stream.cuda_stream)
+            _C.Stream(-1, 0)
+            if stream is None
+            else _C.Stream(stream.device.index, stream.cuda_stream)
             for stream in self.streams
         ]
 

@@ -17,8 +17,14 @@ def _model() -> nn.Sequential:
 def test_deferred_batch_norm_tracks_the_whole_batch(make_pipe, checkpoint: str) -> None:
     module = _model()
     ref = copy.deepcopy(module)
-    pipe = make_pipe(module, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint,
-                     deferred_batch_norm=True)
+    pipe = make_pipe(
+        module,
+        [2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=checkpoint,
+        deferred_batch_norm=True,
+    )
     for _ in range(3):
         x = torch.randn(16, 5) * 3 + 1
         pipe(x).sum().backward()

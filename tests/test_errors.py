@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
+
 from helpers import assert_same_run, mlp, pipe_run, reference_run
 
 

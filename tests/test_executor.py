@@ -16,7 +16,7 @@ def test_cells_run_concurrently_on_distinct_threads() -> None:
 
     def task(kind: object, cell: int, microbatch: int) -> None:
         threads[cell].add(threading.get_ident())
-        if microbatch == 0 and cell == 0 or microbatch == 1 and cell == 1:
+        if (microbatch == 0 and cell == 0) or (microbatch == 1 and cell == 1):
             both_inside.wait()  # F(0,1)... meets F(1,0): only possible if they overlap
 
     # Cell 0's second task overlaps cell 1's first only if the workers really run at once.

@@ -22,8 +22,9 @@ def test_matches_unpartitioned_module(make_pipe, cells: int, chunks: int, checkp
     module = mlp(3)
     x = torch.randn(11, 6, dtype=torch.float64)  # 11: uneven for 3 and 8 micro-batches
     want = reference_run(module, x)
-    pipe = make_pipe(module, BALANCES[cells], devices=["cpu"] * cells, chunks=chunks,
-                     checkpoint=checkpoint)
+    pipe = make_pipe(
+        module, BALANCES[cells], devices=["cpu"] * cells, chunks=chunks, checkpoint=checkpoint
+    )
     assert_same_run(pipe_run(pipe, module, x), want)
     # The pipe is reusable: a second step on fresh data is right too.
     x2 = torch.randn(5, 6, dtype=torch.float64)
@@ -88,7 +89,7 @@ def test_two_forwards_then_one_backward_accumulate(make_pipe) -> None:
     (ref(x1).sum() + (ref(x2) ** 2).sum()).backward()
     pipe = make_pipe(module, [2, 2], devices=["cpu", "cpu"], chunks=2)
     (pipe(x1).sum() + (pipe(x2) ** 2).sum()).backward()
-    for got, want in zip(module.parameters(), ref.parameters()):
+    for got, want in zip(module.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
 
 
@@ -143,7 +144,9 @@ def test_partitions_and_attributes(make_pipe) -> None:
 
 
 def test_default_balance_uses_parameters(make_pipe) -> None:
-    module = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 2))
+    module = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2), nn.ReLU(), nn.Linear(2, 2)
+    )
     pipe = make_pipe(module, devices=["cpu", "cpu"])
     assert pipe.balance == gf.balance_by_params(2, module)
     assert sum(pipe.balance) == 5

@@ -8,6 +8,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast.randomness import TaskRandomness
+
 from helpers import mlp
 
 
@@ -28,7 +29,7 @@ def test_always_and_never_agree_with_the_same_seed(make_pipe) -> None:
     out_never, grads_never = _step(make_pipe, "never", seed=5)
     out_always, grads_always = _step(make_pipe, "always", seed=5)
     torch.testing.assert_close(out_never, out_always, rtol=0, atol=0)
-    for a, b in zip(grads_never, grads_always):
+    for a, b in zip(grads_never, grads_always, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

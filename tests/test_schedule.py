@@ -15,15 +15,22 @@ def _listing(schedule: _C.Schedule) -> list[tuple[object, int, int, list[int]]]:
 
 def test_fill_drain_forward() -> None:
     assert _listing(_C.gpipe_forward(2, 2)) == [
-        (F, 0, 0, []), (F, 0, 1, []), (F, 1, 0, [0]), (F, 1, 1, [1]),
+        (F, 0, 0, []),
+        (F, 0, 1, []),
+        (F, 1, 0, [0]),
+        (F, 1, 1, [1]),
     ]
 
 
 def test_fill_drain_backward_with_recompute() -> None:
     schedule = _C.gpipe_backward(2, 2, [True, False])
     assert _listing(schedule) == [
-        (B, 1, 1, []), (R, 1, 0, []), (B, 1, 0, []),
-        (B, 0, 1, [0]), (R, 0, 0, []), (B, 0, 0, [2]),
+        (B, 1, 1, []),
+        (R, 1, 0, []),
+        (B, 1, 0, []),
+        (B, 0, 1, [0]),
+        (R, 0, 0, []),
+        (B, 0, 0, [2]),
     ]
     assert schedule.order(0) == [3, 4, 5]
 

@@ -1,0 +1,124 @@
+"""The caller's thread-local state reaches the workers; workers persist and are joined."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+
+
+class _Record(nn.Module):
+    """Records what its worker thread sees."""
+
+    def __init__(self, log: list[dict[str, object]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(
+            {
+                "threads": torch.get_num_threads(),
+                "autocast": torch.is_autocast_enabled("cpu"),
+                "grad": torch.is_grad_enabled(),
+            }
+        )
+        return x
+
+
+def test_autocast_reaches_workers(make_pipe) -> None:
+    log: list[dict[str, object]] = []
+    module = nn.Sequential(nn.Linear(4, 4), _Record(log), nn.Linear(4, 4))
+    pipe = make_pipe(module, [2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(x)
+        want = module(x)
+    assert out.dtype == want.dtype == torch.bfloat16
+    assert all(entry["autocast"] for entry in log)
+    out.float().sum().backward()
+    assert module[0].weight.grad is not None
+
+
+def test_no_grad_reaches_workers(make_pipe) -> None:
+    log: list[dict[str, object]] = []
+    module = nn.Sequential(nn.Linear(4, 4), _Record(log))
+    pipe = make_pipe(module, [1, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
+    with torch.no_grad():
+        pipe(torch.randn(4, 4))
+    assert log and not any(entry["grad"] for entry in log)
+    log.clear()
+    pipe(torch.randn(4, 4))
+    assert log and all(entry["grad"] for entry in log)
+
+
+def test_each_cpu_cell_gets_its_share_of_cores(make_pipe) -> None:
+    log: list[dict[str, object]] = []
+    pipe = make_pipe(nn.Sequential(_Record(log), _Record(log)), [1, 1], devices=["cpu", "cpu"])
+    cores = len(os.sched_getaffinity(0))
+    want = None if os.environ.get("OMP_NUM_THREADS") else max(1, cores // 2)
+    assert pipe.threads_per_cell == want
+    before = torch.get_num_threads()
+    pipe(torch.randn(2, 3))
+    if want is not None:
+        assert [entry["threads"] for entry in log] == [want, want]
+    assert torch.get_num_threads() == before  # the caller's own setting is untouched
+
+
+def test_workers_persist_across_steps_and_close_joins_them(make_pipe) -> None:
+    def native_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = native_threads()
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    pipe = make_pipe(module, [1, 1, 1], devices=["cpu"] * 3, chunks=4)
+    pipe(torch.randn(8, 4)).sum().backward()
+    after_first = native_threads()
+    for _ in range(30):
+        pipe(torch.randn(8, 4)).sum().backward()
+    assert native_threads() == after_first  # no thread per step
+    pipe.close()
+    assert native_threads() <= before + (after_first - before) - 3
+
+
+def test_interpreter_exits_with_live_pipes() -> None:
+    # Pipes never closed, one with a finished step and one mid-graph (backward never run):
+    # the interpreter must still exit at once and cleanly.
+    script = textwrap.dedent(
+        """
+        import torch
+        from torch import nn
+        import gpipe_fast as gf
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        pipe = gf.GPipe(model, [2, 1], devices=["cpu", "cpu"], chunks=2)
+        pipe(torch.randn(4, 4)).sum().backward()
+        other = gf.GPipe(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), [1, 1],
+                         devices=["cpu", "cpu"], chunks=2)
+        pending = other(torch.randn(4, 4))
+        print("done")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "done"
+
+
+def test_copying_a_pipe_is_a_clear_type_error(make_pipe) -> None:
+    import copy
+    import pickle
+
+    import pytest
+
+    pipe = make_pipe(nn.Sequential(nn.Linear(2, 2)), [1], devices=["cpu"])
+    with pytest.raises(TypeError, match="deep-copied"):
+        copy.deepcopy(pipe)
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(pipe)
+    assert isinstance(pipe, gf.GPipe)
