@@ -86,7 +86,7 @@ def test_workers_persist_across_steps_and_close_joins_them(make_pipe) -> None:
     assert native_threads() <= before + (after_first - before) - 3
 
 
-def test_interpreter_exits_with_live_pipes() -> None:
+def test_interpreter_exits_with_live_pipes(tmp_path) -> None:
     # Pipes never closed, one with a finished step and one mid-graph (backward never run):
     # the interpreter must still exit at once and cleanly.
     script = textwrap.dedent(
@@ -103,8 +103,9 @@ def test_interpreter_exits_with_live_pipes() -> None:
         print("done")
         """
     )
+    # From an empty folder, so the installed package is imported, not the source tree.
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "done"
