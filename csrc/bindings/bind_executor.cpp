@@ -68,6 +68,11 @@ class PyExecutor {
   }
 
   Executor& get() {
+    if (abandoned_) {
+      throw InvalidArgument(
+          "the executor was abandoned after a step timed out while a task was still running; "
+          "build a new pipe");
+    }
     if (!executor_) throw InvalidArgument("the executor is closed");
     return *executor_;
   }
@@ -75,9 +80,12 @@ class PyExecutor {
   // Runs the schedule, calling fn(kind, cell, microbatch) on each task's worker. Waits in
   // short slices without the GIL and checks for signals between them, so Ctrl-C stops the
   // step: workers finish their current task, start no other, and KeyboardInterrupt is raised.
-  void run(const Schedule& schedule, const py::function& fn) {
+  // With timeout_s > 0, a run still going after that long is cancelled the same way and
+  // TimeoutError names what each cell was doing.
+  void run(const Schedule& schedule, const py::function& fn, double timeout_s) {
     Executor& executor = get();
     executor.start(schedule, [fn](const Task& task) { call_python(fn, task); });
+    const auto started = std::chrono::steady_clock::now();
     for (;;) {
       bool ended = false;
       {
@@ -87,22 +95,69 @@ class PyExecutor {
       if (ended) break;
       if (PyErr_CheckSignals() != 0) {
         py::error_already_set interrupt;
-        executor.cancel();
-        {
-          py::gil_scoped_release nogil;
-          while (!executor.wait_for(std::chrono::milliseconds(50))) {
-          }
-        }
-        try {
-          executor.finish();
-        } catch (...) {
-          // A task error raised while stopping is dropped: the interrupt is what happened.
-        }
+        stop(executor, std::chrono::hours(24 * 365));
         throw interrupt;
+      }
+      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - started;
+      if (timeout_s > 0 && elapsed.count() > timeout_s) {
+        const std::string report = describe(schedule, executor.cell_states());
+        // A task that is stuck cannot be stopped from outside; give running tasks a moment
+        // to return, else leave the workers behind (never joined, never freed) and fail.
+        const bool stopped = stop(executor, std::chrono::seconds(2));
+        std::string message = "gpipe_fast: step timed out after " + std::to_string(timeout_s) +
+                              " s; " + report;
+        if (!stopped) {
+          abandoned_ = true;
+          static_cast<void>(executor_.release());
+          message += " (a task is still running: this pipe can no longer run steps)";
+        }
+        PyErr_SetString(PyExc_TimeoutError, message.c_str());
+        throw py::error_already_set();
       }
     }
     executor.finish();
   }
+
+ private:
+  // Cancels the run and waits up to `patience` for it to end; then finishes it, dropping any
+  // task error (what stopped the run is the caller's reason). False if it did not end.
+  template <typename Duration>
+  bool stop(Executor& executor, Duration patience) {
+    executor.cancel();
+    const auto deadline = std::chrono::steady_clock::now() + patience;
+    bool ended = false;
+    {
+      py::gil_scoped_release nogil;
+      while (!(ended = executor.wait_for(std::chrono::milliseconds(50))) &&
+             std::chrono::steady_clock::now() < deadline) {
+      }
+    }
+    if (!ended) return false;
+    try {
+      executor.finish();
+    } catch (...) {
+    }
+    return true;
+  }
+
+  static std::string describe(const Schedule& schedule, const std::vector<CellState>& states) {
+    std::string out;
+    for (std::size_t cell = 0; cell < states.size(); ++cell) {
+      const CellState& state = states[cell];
+      if (state.phase == CellState::Phase::Done) continue;
+      const Task& task = schedule.task(state.task);
+      if (!out.empty()) out += "; ";
+      out += "cell " + std::to_string(cell) +
+             (state.phase == CellState::Phase::Running ? " never finished its "
+                                                       : " was waiting to start its ") +
+             to_string(task.kind) + " of micro-batch " + std::to_string(task.microbatch);
+    }
+    return out.empty() ? "every cell had finished its tasks" : out;
+  }
+
+  bool abandoned_ = false;
+
+ public:
 
  private:
   std::unique_ptr<Executor> executor_;
@@ -118,9 +173,10 @@ void bind_executor(py::module_& m) {
 
   py::class_<PyExecutor>(m, "Executor", "One persistent worker thread per cell.")
       .def(py::init<int, const std::string&>(), py::arg("workers"), py::arg("backend") = "host")
-      .def("run", &PyExecutor::run, py::arg("schedule"), py::arg("fn"),
+      .def("run", &PyExecutor::run, py::arg("schedule"), py::arg("fn"), py::arg("timeout_s") = 0.0,
            "Run a schedule; fn(kind, cell, microbatch) runs on the cell's worker. Re-raises "
-           "the first task error; KeyboardInterrupt stops the run.")
+           "the first task error; KeyboardInterrupt stops the run; with timeout_s > 0, "
+           "TimeoutError names the cells' unfinished tasks.")
       .def("close", &PyExecutor::close, "Join the workers; the executor is unusable after.")
       .def_property_readonly("workers", [](PyExecutor& e) { return e.get().workers(); })
       .def_property_readonly("backend", [](PyExecutor& e) { return e.get().sync().name(); })

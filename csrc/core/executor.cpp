@@ -90,6 +90,7 @@ void Executor::start(const Schedule& schedule, TaskFn fn) {
     done_.assign(schedule.tasks().size(), 0);
     events_.assign(schedule.tasks().size(), -1);
     spans_.assign(recording_ ? schedule.tasks().size() : 0, TaskSpan{});
+    cell_states_.assign(threads_.size(), CellState{});
     ++generation_;
   }
   work_cv_.notify_all();
@@ -131,6 +132,11 @@ void Executor::finish() {
     error_ = nullptr;
   }
   if (error) std::rethrow_exception(error);
+}
+
+std::vector<CellState> Executor::cell_states() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cell_states_;
 }
 
 std::vector<TaskSpan> Executor::last_spans() const {
@@ -176,10 +182,13 @@ void Executor::run_cell(int cell) {
   for (int id : schedule.order(cell)) {
     const Task& task = schedule.task(id);
     bool record = false;
+    auto& state = cell_states_[static_cast<std::size_t>(cell)];
     {
       std::unique_lock<std::mutex> lock(mutex_);
+      state = CellState{id, CellState::Phase::Waiting};
       task_cv_.wait(lock, [&] { return aborted_ || ready(task); });
       if (aborted_) return;
+      state.phase = CellState::Phase::Running;
       record = !spans_.empty();
     }
     try {
@@ -194,6 +203,7 @@ void Executor::run_cell(int cell) {
       events_[static_cast<std::size_t>(id)] = event;
       if (record) spans_[static_cast<std::size_t>(id)] = TaskSpan{id, start, now_ns()};
       done_[static_cast<std::size_t>(id)] = 1;
+      state = CellState{};
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!error_) error_ = std::current_exception();

@@ -20,6 +20,13 @@ namespace gpipe_fast {
 // cell's worker thread; may throw, and the first exception ends the run.
 using TaskFn = std::function<void(const Task&)>;
 
+// What one cell's worker is doing: inside `task`, blocked before it on a dependency, or done.
+struct CellState {
+  enum class Phase : std::uint8_t { Done, Waiting, Running };
+  int task = -1;
+  Phase phase = Phase::Done;
+};
+
 // Start and end of one task, in nanoseconds of the steady clock.
 struct TaskSpan {
   int task = -1;
@@ -59,6 +66,9 @@ class Executor {
   // Waits for the run to end, releases its events, rethrows its first error if any.
   void finish();
 
+  // Each cell's progress in the run in flight (for a watchdog's report).
+  std::vector<CellState> cell_states() const;
+
   // Spans of the last finished run, in task-id order of the tasks that ran.
   std::vector<TaskSpan> last_spans() const;
   // Runs finished since construction (a worker-lifetime check for soak tests).
@@ -88,6 +98,7 @@ class Executor {
   bool shutdown_ = false;
   std::vector<char> done_;
   std::vector<EventId> events_;
+  std::vector<CellState> cell_states_;
   std::vector<TaskSpan> spans_;
   std::vector<TaskSpan> last_spans_;
   std::exception_ptr error_;
