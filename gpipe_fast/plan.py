@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch import Tensor, nn
 
@@ -116,29 +115,37 @@ def _cell_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
     return sums
 
 
-def _simulated_makespan(schedule: Any, cell_task_cost: Sequence[float]) -> float:
-    """Makespan of `schedule` when every task of cell k costs cell_task_cost[k]."""
-    costs = [cell_task_cost[task.cell] for task in schedule.tasks]
-    return float(_C.simulate(schedule, costs).makespan)
+def _recomputed(checkpoint: str, chunks: int) -> list[bool]:
+    """Which micro-batches a GPipe with this checkpoint mode recomputes in training."""
+    return [
+        checkpoint == "always" or (checkpoint == "except_last" and m < chunks - 1)
+        for m in range(chunks)
+    ]
 
 
 def _predict_step(
-    forward: Sequence[float], backward: Sequence[float], chunks: int
+    forward: Sequence[float], backward: Sequence[float], chunks: int, recompute: Sequence[bool]
 ) -> tuple[float, float, float]:
     """Forward and backward makespans of a fill-drain step given each cell's mini-batch
-    forward and backward cost (a micro-batch task costs 1/chunks of it), and the bubble: the
-    share of all cells' time over both phases that is idle."""
+    forward and backward cost (a micro-batch task costs 1/chunks of it; a Recompute task as
+    much as its forward), and the bubble: the share of all cells' time over both phases that
+    is idle."""
     cells = len(forward)
-    forward_time = _simulated_makespan(
-        _C.gpipe_forward(cells, chunks), [f / chunks for f in forward]
-    )
-    backward_time = _simulated_makespan(
-        _C.gpipe_backward(cells, chunks, [False] * chunks), [b / chunks for b in backward]
-    )
-    step = forward_time + backward_time
-    busy = sum(forward) + sum(backward)
+    forward_schedule = _C.gpipe_forward(cells, chunks)
+    backward_schedule = _C.gpipe_backward(cells, chunks, list(recompute))
+    per_task = {
+        _C.TaskKind.Forward: [f / chunks for f in forward],
+        _C.TaskKind.Recompute: [f / chunks for f in forward],
+        _C.TaskKind.Backward: [b / chunks for b in backward],
+    }
+    times, busy = [], 0.0
+    for schedule in (forward_schedule, backward_schedule):
+        costs = [per_task[task.kind][task.cell] for task in schedule.tasks]
+        times.append(float(_C.simulate(schedule, costs).makespan))
+        busy += sum(costs)
+    step = times[0] + times[1]
     bubble = 1.0 - busy / (cells * step) if step > 0.0 else 0.0
-    return forward_time, backward_time, bubble
+    return times[0], times[1], bubble
 
 
 def _first_dim(tensors: Sequence[Tensor]) -> int:
@@ -156,6 +163,7 @@ def plan(
     balance: Sequence[int] | None = None,
     cost: str = "time",
     device: Device | None = None,
+    checkpoint: str = "never",
     warmup: int = 2,
     repeats: int = 5,
     param_scale: float = 2.0,
@@ -166,12 +174,14 @@ def plan(
 
     With cost="time" the measured forward and backward times are simulated as they are; the
     other costs stand for a layer's forward and its backward is taken as BACKWARD_PER_FORWARD
-    times that.
+    times that. `checkpoint` is the GPipe mode to predict: recomputed micro-batches add a
+    Recompute task (one more forward) before their backward.
     """
     module = _check_module(module)
     cells = _check_count(partitions, "partitions", len(module))
     chunks = _check_int(chunks, "chunks", 1)
     cost = _check_choice(cost, "cost", PLAN_COSTS)
+    checkpoint = _check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
     if balance is not None:
         balance = _check_balance(balance, cells, len(module))
     batch = _first_dim(_sample_tensors(sample, "sample"))
@@ -199,7 +209,10 @@ def plan(
         balance = partition(layer_costs, cells)
 
     forward_time, backward_time, bubble = _predict_step(
-        _cell_sums(forward, balance), _cell_sums(backward, balance), chunks
+        _cell_sums(forward, balance),
+        _cell_sums(backward, balance),
+        chunks,
+        _recomputed(checkpoint, chunks),
     )
     return Plan(
         balance=list(balance),

@@ -61,3 +61,20 @@ def test_plan_by_time() -> None:
     assert result.backward_time == 0.0
     assert result.step_time >= 0.02  # a sleep is never shorter than asked
     assert 0.0 < result.bubble < 1.0
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_plan_counts_recomputation(checkpoint: str) -> None:
+    module = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    x = torch.randn(8, 8)
+    plain = gf.plan(module, x, 2, 4, cost="params")
+    recomputing = gf.plan(module, x, 2, 4, cost="params", checkpoint=checkpoint)
+    per_cell = plain.cells[0].cost  # equal cells; a Recompute task costs a forward task
+    recomputed = 4 if checkpoint == "always" else 3
+    assert recomputing.forward_time == pytest.approx(plain.forward_time, rel=1e-12)
+    # Cell 1 (first in backward) runs its recomputes in series with its backward tasks.
+    assert recomputing.backward_time > plain.backward_time
+    extra = recomputing.backward_time - plain.backward_time
+    assert extra >= recomputed * per_cell / 4 - 1e-9
+    with pytest.raises(ValueError, match="checkpoint"):
+        gf.plan(module, x, 2, 4, cost="params", checkpoint="sometimes")
