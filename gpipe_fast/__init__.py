@@ -19,12 +19,15 @@ from gpipe_fast.balance import (
 from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.gpipe import GPipe
 from gpipe_fast.plan import CellPlan, Plan, plan
+from gpipe_fast.timeline import TaskSpan, Timeline
 
 __all__ = [
     "_C",
     "CellPlan",
     "GPipe",
     "Plan",
+    "TaskSpan",
+    "Timeline",
     "balance_by_costs",
     "balance_by_params",
     "balance_by_size",

@@ -66,6 +66,11 @@ class DeferredBatchNorm(_BatchNorm):
         self._sum = self._squares = None
         self._count = 0
 
+    def discard(self) -> None:
+        """Forgets the statistics accumulated since the last commit (a failed step's)."""
+        self._sum = self._squares = None
+        self._count = 0
+
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
         """Replaces BatchNorm layers in `module` (itself or nested) by DeferredBatchNorm

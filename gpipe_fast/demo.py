@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 import gpipe_fast as gf
+from gpipe_fast.timeline import Phase
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=128, help="mini-batch size (default 128)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gpipe_fast_out"),
+        help="folder for the timeline of one step: timeline.trace.json and, with "
+        "matplotlib, timeline.png (default ./gpipe_fast_out)",
+    )
     return parser
 
 
@@ -79,6 +89,42 @@ def _train(
     return losses, time.perf_counter() - start
 
 
+def _record_step(pipe: gf.GPipe, x: torch.Tensor, y: torch.Tensor) -> gf.Timeline:
+    """One more forward and backward with the timeline recorded (no optimizer step)."""
+    pipe.record_timeline()
+    out = pipe(x)
+    nn.functional.mse_loss(out, y.to(out.device)).backward()
+    timeline = pipe.timeline()
+    pipe.record_timeline(False)
+    pipe.zero_grad(set_to_none=True)
+    return timeline
+
+
+def _write_timeline(timeline: gf.Timeline, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "timeline.trace.json"
+    timeline.to_chrome_trace(trace)
+    print(f"timeline trace: {trace} (open in ui.perfetto.dev or chrome://tracing)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
+        return
+    picture = out / "timeline.png"
+    timeline.plot(picture)
+    print(f"timeline picture: {picture}")
+
+
+def _peak_rss_mib() -> float | None:
+    """The process's peak resident set size, where the platform reports it."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
 def run_demo(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     torch.manual_seed(args.seed)
@@ -109,23 +155,38 @@ def run_demo(argv: list[str]) -> int:
 
     with tqdm(total=args.steps, desc="gpipe_fast", unit="step") as progress:
         losses, seconds = _train(pipe, data, args.lr, pipe.devices[-1], progress)
+    timeline = _record_step(pipe, *data[-1])
     baseline_steps = max(10, args.steps // 4)
     with tqdm(total=baseline_steps, desc="unpipelined", unit="step") as progress:
         _, baseline_seconds = _train(baseline, data[:baseline_steps], args.lr, devices[0], progress)
     pipe.close()
 
-    first = sum(losses[:10]) / min(10, len(losses))
-    last = sum(losses[-10:]) / min(10, len(losses))
+    window = max(1, min(10, len(losses) // 2))  # short runs: first half vs last half
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
     throughput = args.steps * args.batch / seconds
     baseline_throughput = baseline_steps * args.batch / baseline_seconds
-    ideal_bubble = (cells - 1) / (args.chunks + cells - 1)
-    print(f"loss: {first:.4f} (first 10 steps) -> {last:.4f} (last 10 steps)")
+    print(f"loss: {first:.4f} (first {window} steps) -> {last:.4f} (last {window} steps)")
     print(
         f"throughput: gpipe_fast {throughput:,.0f} samples/s, unpipelined "
         f"{baseline_throughput:,.0f} samples/s ({throughput / baseline_throughput:.2f}x)"
     )
-    print(f"ideal bubble for K={cells}, M={args.chunks}: {ideal_bubble:.1%}")
+    print(
+        f"bubble of one step (timeline): measured {timeline.bubble():.1%}, ideal "
+        f"{timeline.ideal_bubble:.1%} for K={timeline.cells}, M={timeline.microbatches}; "
+        f"forward {_phase_ms(timeline, 'forward'):.1f} ms, "
+        f"backward {_phase_ms(timeline, 'backward'):.1f} ms"
+    )
+    _write_timeline(timeline, args.out)
+    rss = _peak_rss_mib()
+    if rss is not None:
+        print(f"peak RSS of the process: {rss:.1f} MiB")
     if torch.cuda.is_available():
         peak = max(torch.cuda.max_memory_allocated(d) for d in pipe.devices)
         print(f"peak GPU memory allocated: {peak / 2**20:.1f} MiB")
     return 0 if last < first else 1
+
+
+def _phase_ms(timeline: gf.Timeline, phase: Phase) -> float:
+    start, end = timeline.phase_window(phase)
+    return (end - start) * 1e3

@@ -15,6 +15,7 @@ from torch import nn
 from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.microbatch import Value
 from gpipe_fast.pipeline import Pipeline
+from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -106,8 +107,53 @@ class GPipe(nn.Module):
         """Intra-op threads of each CPU cell's worker (None: PyTorch's own setting)."""
         return self._pipeline.threads_per_cell
 
+    @property
+    def step_timeout(self) -> float | None:
+        """Seconds the forward or the backward phase of a step may take (None: no limit).
+
+        When exceeded, the step is cancelled and TimeoutError names what each cell was doing
+        (the task it never finished, or the one it was waiting to start). If a task is stuck
+        and does not return within 2 s more, its workers are left behind and this pipe can
+        run no more steps: build a new one.
+        """
+        return self._pipeline.step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, seconds: float | None) -> None:
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+                raise TypeError(
+                    f"step_timeout must be a number of seconds or None, got {seconds!r}"
+                )
+            if not seconds > 0:
+                raise ValueError(f"step_timeout must be > 0 seconds, got {seconds}")
+        self._pipeline.step_timeout = None if seconds is None else float(seconds)
+
     def forward(self, input: Value) -> Value:  # type: ignore[override]
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
+
+    def record_timeline(self, on: bool = True) -> None:
+        """Records when each task of the next steps starts and ends (off by default: then
+        nothing is timed). Turning it off also forgets the recorded step."""
+        self._pipeline.set_recording(bool(on))
+
+    def timeline(self) -> Timeline:
+        """The task timeline of the last step run with recording on: its forward (``pipe(x)``)
+        and, once ``loss.backward()`` has run, its backward."""
+        if not self._pipeline.recording:
+            raise RuntimeError(
+                "gpipe_fast: timeline recording is off; call pipe.record_timeline() before "
+                "the step to record"
+            )
+        recorded = self._pipeline.recorded
+        if recorded is None:
+            raise RuntimeError(
+                "gpipe_fast: no step has run since pipe.record_timeline(); run pipe(x) "
+                "(and its backward) first"
+            )
+        return Timeline.from_runs(
+            [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded]
+        )
 
     def close(self) -> None:
         """Joins the worker threads; the pipe cannot run afterwards."""

@@ -47,6 +47,12 @@ def split_sizes(n: int, chunks: int) -> list[int]:
 def scatter(value: Value, chunks: int) -> list[Value]:
     """Splits every tensor of `value` along dim 0 into near-equal micro-batches."""
     tensors = as_tensors(value, "input")
+    for i, t in enumerate(tensors):
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"input[{i}] is on device {t.device}; gpipe_fast takes cpu or cuda tensors "
+                "(it moves them to the first cell's device)"
+            )
     n = batch_size(tensors, "input")
     if n == 0:
         raise ValueError("input has an empty batch (dim 0 is 0)")
@@ -55,12 +61,39 @@ def scatter(value: Value, chunks: int) -> list[Value]:
     return [like([p[m] for p in pieces], value) for m in range(len(sizes))]
 
 
-def gather(values: list[Value]) -> Value:
-    """Concatenates micro-batch results along dim 0 (no copy for a single micro-batch)."""
+def gather(values: list[Value], what: str = "output") -> Value:
+    """Concatenates micro-batch results along dim 0 (no copy for a single micro-batch).
+
+    Every micro-batch's result must have the same structure, each tensor a batch dim 0 shared
+    by its tuple, and the same dtypes: ValueError/TypeError naming `what` otherwise (a dtype
+    that changed between micro-batches is an error, never silently promoted)."""
+    rows = [as_tensors(v, what) for v in values]
+    for m, row in enumerate(rows):
+        if len(row) != len(rows[0]):
+            raise TypeError(
+                f"{what} of micro-batch {m} has {len(row)} tensors but that of micro-batch 0 "
+                f"has {len(rows[0])}"
+            )
+        for i, t in enumerate(row):
+            if t.dim() == 0:
+                raise ValueError(
+                    f"{what}[{i}] is a scalar tensor (micro-batch {m}); every tensor needs a "
+                    "batch dim 0"
+                )
+        sizes = sorted({t.size(0) for t in row})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{what} tensors have different batch sizes (dim 0) in micro-batch {m}: {sizes}"
+            )
+        for i, (t, first) in enumerate(zip(row, rows[0], strict=True)):
+            if t.dtype != first.dtype:
+                raise TypeError(
+                    f"{what}[{i}] has dtype {first.dtype} in micro-batch 0 but {t.dtype} in "
+                    f"micro-batch {m}; a cell must return the same dtypes for every micro-batch"
+                )
     if len(values) == 1:
         return values[0]
-    columns = zip(*(as_tensors(v, "output") for v in values), strict=True)
-    return like([torch.cat(column) for column in columns], values[0])
+    return like([torch.cat(column) for column in zip(*rows, strict=True)], values[0])
 
 
 def _describe(value: object) -> str:

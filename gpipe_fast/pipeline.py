@@ -31,7 +31,7 @@ from gpipe_fast import _C
 from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats
 from gpipe_fast.checkpoint import pass_flags
 from gpipe_fast.microbatch import Value, as_tensors, gather, like, scatter
-from gpipe_fast.randomness import TaskRandomness, draw_step_seed, task_seed
+from gpipe_fast.randomness import TaskRandomness, draw_step_seed, may_draw_random, task_seed
 from gpipe_fast.streams import CellStreams
 
 _PASS_NAMES = {
@@ -62,9 +62,13 @@ class _AutocastState:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
 
 
-def _annotate(error: BaseException, cell: int, microbatch: int, kind: Any) -> None:
-    """Names the cell, micro-batch and pass in the error's message, keeping its type."""
-    where = f"gpipe_fast: in cell {cell}, micro-batch {microbatch}, {_PASS_NAMES[kind]} pass"
+def _annotate(
+    error: BaseException, cell: int, microbatch: int, kind: Any, *, boundary_copy: bool = False
+) -> None:
+    """Names the cell, micro-batch and pass (or the boundary copy into the cell) in the error's
+    message, keeping its type."""
+    what = f"boundary copy ({_PASS_NAMES[kind]})" if boundary_copy else f"{_PASS_NAMES[kind]} pass"
+    where = f"gpipe_fast: in cell {cell}, micro-batch {microbatch}, {what}"
     if (
         error.args
         and isinstance(error.args[0], str)
@@ -122,6 +126,13 @@ class Step:
             self.needs_input_grad.append(upstream)
             upstream = upstream or (track and any(p.requires_grad for p in cell.parameters()))
         self.backward_done = False
+        # Per cell (each slot touched only by its worker): inside a boundary copy, so that an
+        # error raised there is named as the copy rather than the cell's compute.
+        self.copying = [False] * cells
+        # Recording: phase -> (schedule, the executor's spans of its run); None when off.
+        self.spans: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = (
+            {} if pipeline.recording else None
+        )
 
     # -- tasks: each runs on its cell's worker thread --------------------------------------
 
@@ -134,8 +145,15 @@ class Step:
             else:
                 self._backward(cell, microbatch)
         except BaseException as error:
-            _annotate(error, cell, microbatch, kind)
+            _annotate(error, cell, microbatch, kind, boundary_copy=self.copying[cell])
+            self.copying[cell] = False
             raise
+
+    @contextmanager
+    def _boundary_copy(self, cell: int) -> Iterator[None]:
+        self.copying[cell] = True
+        yield
+        self.copying[cell] = False  # left set when the copy raised: run_task names it
 
     def _forward(self, cell: int, m: int) -> None:
         pipeline = self.pipeline
@@ -150,9 +168,10 @@ class Step:
                 self.needs_input_grad[cell] and t.is_floating_point()
                 for t in as_tensors(source, f"output of cell {cell - 1}")
             ]
-        tensors = _detach_to(
-            as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams, cell, flags
-        )
+        with self._boundary_copy(cell):
+            tensors = _detach_to(
+                as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams, cell, flags
+            )
         checkpointing = self.track and self.checkpointed[m]
         with self._context(cell, m, checkpointing=checkpointing, recomputing=False):
             with torch.set_grad_enabled(self.track and not checkpointing):
@@ -178,7 +197,8 @@ class Step:
         for output, grad in zip(outputs, grads, strict=True):
             if output.requires_grad and grad is not None:
                 roots.append(output)
-                root_grads.append(pipeline.streams.receive(grad, output.device, cell))
+                with self._boundary_copy(cell):
+                    root_grads.append(pipeline.streams.receive(grad, output.device, cell))
         if roots:
             with pipeline.streams.on(cell), torch.enable_grad():
                 torch.autograd.backward(roots, root_grads)
@@ -213,7 +233,11 @@ class Step:
 
     def forward(self) -> list[Value]:
         pipeline = self.pipeline
-        pipeline.execute(_C.gpipe_forward(len(pipeline.cells), len(self.first_inputs)), self)
+        schedule = _C.gpipe_forward(len(pipeline.cells), len(self.first_inputs))
+        pipeline.execute(schedule, self)
+        if self.spans is not None:
+            self.spans["forward"] = (schedule, pipeline.executor.last_spans())
+            pipeline.recorded = self.spans  # the last step: its backward will add to it
         last = len(pipeline.cells) - 1
         outputs = self.outputs[last]
         if not self.track:
@@ -237,6 +261,8 @@ class Step:
         schedule = _C.gpipe_backward(len(pipeline.cells), len(self.first_inputs), self.checkpointed)
         pipeline.streams.cells_wait_caller()
         pipeline.execute(schedule, self)
+        if self.spans is not None and pipeline.recording:
+            self.spans["backward"] = (schedule, pipeline.executor.last_spans())
         pipeline.streams.join_caller(pipeline.devices[0])
         return self.input_grads
 
@@ -292,6 +318,19 @@ class _Exit(torch.autograd.Function):
         return None, torch.empty(0)  # a CPU gradient: _Enter runs on the caller's thread
 
 
+def _preload_lazy_imports(random_cells: bool) -> None:
+    """Takes torch's one-time lazy imports here, when a pipe is built, rather than inside the
+    first step's tasks (where they would delay Ctrl-C and count against step_timeout):
+    torch.autograd.backward with explicit gradients imports sympy on its first call (~1 s),
+    and the first dispatch mode imports torch._dynamo (~2 s; only for cells that may draw
+    random numbers, which run under one)."""
+    import torch.fx.experimental.symbolic_shapes
+
+    if random_cells:
+        with TaskRandomness(0):
+            torch.empty(0)
+
+
 class Pipeline:
     """The cells, their devices and streams, and the executor whose workers run them."""
 
@@ -307,6 +346,8 @@ class Pipeline:
         self.executor = _C.Executor(len(self.cells), self.streams.backend)
         self.executor.set_streams(self.streams.native())
         self.threads_per_cell = threads_per_cell
+        # Seconds a forward or backward phase may take before TimeoutError (None: no limit).
+        self.step_timeout: float | None = None
         self.deferred_batch_norms = [
             layer
             for cell in self.cells
@@ -315,10 +356,18 @@ class Pipeline:
         ]
         # (cell, training) -> whether the cell drew random numbers; absent means unknown.
         self.random_cells: dict[tuple[int, bool], bool] = {}
+        for k, cell in enumerate(self.cells):
+            if not may_draw_random(cell):
+                self.random_cells[(k, True)] = self.random_cells[(k, False)] = False
+        _preload_lazy_imports(random_cells=len(self.random_cells) < 2 * len(self.cells))
         self._prepared: set[int] = set()
-        self._run_lock = threading.Lock()
+        self._run_lock = threading.RLock()  # run() holds it around execute()
         # Keeps the phony leaf alive: every pipe output hangs off it.
         self._phony = torch.empty(0, requires_grad=True)
+        # Timeline recording (off: the executor times nothing); `recorded` is the last
+        # recorded step's Step.spans.
+        self.recording = False
+        self.recorded: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = None
 
     def may_draw_random(self) -> bool:
         return any(
@@ -333,9 +382,15 @@ class Pipeline:
         if self.devices[cell].type == "cpu" and self.threads_per_cell is not None:
             torch.set_num_threads(self.threads_per_cell)
 
+    def set_recording(self, on: bool) -> None:
+        """Records the task spans of the next steps (on) or stops and forgets them (off)."""
+        self.executor.set_recording(on)
+        self.recording = on
+        self.recorded = None
+
     def execute(self, schedule: Any, step: Step) -> None:
         with self._run_lock:
-            self.executor.run(schedule, step.run_task)
+            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
 
     def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
         with torch.no_grad():
@@ -352,9 +407,17 @@ class Pipeline:
             for m in range(count)
         ]
         step = Step(self, microbatches, input_needs_grad, checkpointed, track)
-        outputs = step.forward()
-        for layer in self.deferred_batch_norms:
-            layer.commit()
+        # One lock over the forward and the commit: deferred BatchNorm statistics of a step
+        # run from another thread must not be folded into this one's.
+        with self._run_lock:
+            try:
+                outputs = step.forward()
+            except BaseException:
+                for layer in self.deferred_batch_norms:
+                    layer.discard()  # a failed step's statistics must not reach the next commit
+                raise
+            for layer in self.deferred_batch_norms:
+                layer.commit()
         if not track:
             return gather(outputs)
         step.gathered = as_tensors(gather([_detached(o) for o in outputs]), "output")

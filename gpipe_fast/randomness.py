@@ -14,6 +14,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # mode, which is thread-local, so concurrent cells never share a stream of random numbers.
 
 
+def may_draw_random(module: torch.nn.Module) -> bool:
+    """Whether `module` might draw random numbers: it holds a random torch.nn layer (dropout,
+    RReLU, attention with dropout) or any layer defined outside torch.nn, which could do
+    anything. Cells made only of other torch.nn layers never need the dispatch mode, whose
+    first use costs seconds (it imports torch._dynamo)."""
+    for layer in module.modules():
+        if not type(layer).__module__.startswith("torch.nn."):
+            return True
+        if isinstance(layer, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)):
+            return True
+        if isinstance(layer, torch.nn.MultiheadAttention) and layer.dropout > 0:
+            return True
+    return False
+
+
 def task_seed(step_seed: int, cell: int, microbatch: int) -> int:
     """A 63-bit seed for one (cell, micro-batch) of a step; deterministic across processes."""
     return hash((step_seed, cell, microbatch)) & ((1 << 63) - 1)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import faulthandler
+import os
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -94,3 +99,27 @@ def funnel() -> nn.Sequential:
         nn.Linear(256, 16),
         nn.Linear(16, 16),
     )
+
+
+@contextmanager
+def no_hang(seconds: float = 120.0) -> Iterator[None]:
+    """Turns a hang into a failure: past `seconds`, dumps every thread's stack to stderr and
+    exits the process (a deadlocked worker cannot be stopped from Python)."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def native_threads(prefix: str = "") -> int:
+    """Threads of this process (from /proc/self/task) whose name starts with `prefix`; the
+    executor's workers are named "gpipe-cell-<k>"."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                count += comm.read().startswith(prefix)
+        except FileNotFoundError:  # ended while we looked
+            pass
+    return count

@@ -8,7 +8,7 @@ from torch import nn
 
 import gpipe_fast as gf
 
-from helpers import assert_same_run, mlp, pipe_run, reference_run
+from helpers import assert_same_run, mlp, no_hang, pipe_run, reference_run
 
 
 @pytest.mark.parametrize(
@@ -109,3 +109,70 @@ def test_bad_input_is_rejected(make_pipe, value: object, error: type) -> None:
     pipe = make_pipe(nn.Sequential(nn.Identity(), nn.Identity()), [1, 1], devices=["cpu", "cpu"])
     with pytest.raises(error, match="input"):
         pipe(value)
+
+
+class _Returns(nn.Module):
+    """The last cell's layer: returns what `make` builds from its micro-batch."""
+
+    def __init__(self, make) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        return self.make(x)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda x: (x, x[:1]), ValueError, r"output tensors have different batch sizes"),
+        (lambda x: x.sum(), ValueError, r"output\[0\] is a scalar tensor"),
+        (lambda x: (x, x.sum()), ValueError, r"output\[1\] is a scalar tensor"),
+    ],
+)
+def test_pipe_output_without_a_common_batch_dim_is_rejected(
+    make_pipe, make, error: type, match: str, chunks: int
+) -> None:
+    # Its gradient could not be split back into micro-batches: say so in forward, not with
+    # an obscure error in backward.
+    last = _Returns(make)
+    pipe = make_pipe(
+        nn.Sequential(nn.Linear(2, 2), last), [1, 1], devices=["cpu"] * 2, chunks=chunks
+    )
+    with no_hang(), pytest.raises(error, match=match):
+        pipe(torch.randn(4, 2))
+    last.make = lambda x: (x, x[:, :1])  # a tuple sharing its batch dim is fine
+    out = pipe(torch.randn(4, 2))
+    (out[0].sum() + out[1].sum()).backward()
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_output_dtype_changing_between_microbatches_is_a_type_error(make_pipe, track: bool) -> None:
+    # Micro-batches of 4 and 3 samples; the cell returns float64 for the smaller one only.
+    last = _Returns(lambda x: x.double() if x.size(0) == 3 else x)
+    pipe = make_pipe(nn.Sequential(nn.Linear(2, 2), last), [1, 1], devices=["cpu"] * 2, chunks=2)
+    with (
+        no_hang(),
+        pytest.raises(
+            TypeError, match=r"output\[0\].*float32.*micro-batch 0.*float64.*micro-batch 1"
+        ),
+    ):
+        with torch.set_grad_enabled(track):
+            pipe(torch.randn(7, 2))
+    last.make = lambda x: x
+    pipe(torch.randn(7, 2)).sum().backward()
+
+
+def test_input_device_must_be_cpu_or_cuda(make_pipe) -> None:
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    pipe = make_pipe(module, [1, 1], devices=["cpu"] * 2, chunks=2)
+    for bad in (
+        torch.empty(4, 2, device="meta"),
+        (torch.randn(4, 2), torch.empty(4, device="meta")),
+    ):
+        with no_hang(), pytest.raises(ValueError, match=r"input\[\d\] is on device meta"):
+            pipe(bad)
+    # A CPU tensor for a CPU pipe (or any cpu/cuda tensor: it is moved to devices[0]) works.
+    x = torch.randn(4, 2)
+    torch.testing.assert_close(pipe(x), module(x))

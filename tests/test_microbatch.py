@@ -26,3 +26,23 @@ def test_scatter_gather_round_trip_tensor_and_tuple() -> None:
     assert all(isinstance(p, tuple) and len(p) == 2 for p in parts)
     joined = gather(parts)
     assert torch.equal(joined[0], pair[0]) and torch.equal(joined[1], pair[1])
+
+
+def test_gather_rejects_dtype_changes_and_ragged_tuples() -> None:
+    with pytest.raises(
+        TypeError, match=r"output\[0\] has dtype torch.float32 in micro-batch 0 but "
+    ):
+        gather([torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)])
+    with pytest.raises(
+        ValueError, match=r"different batch sizes \(dim 0\) in micro-batch 1: \[1, 2\]"
+    ):
+        gather([(torch.randn(2), torch.randn(2)), (torch.randn(2), torch.randn(1))])
+    with pytest.raises(ValueError, match="scalar"):
+        gather([torch.tensor(1.0)])
+    with pytest.raises(TypeError, match="micro-batch 1 has 1 tensors"):
+        gather([(torch.randn(2), torch.randn(2)), (torch.randn(2),)])
+
+
+def test_scatter_rejects_tensors_on_unsupported_devices() -> None:
+    with pytest.raises(ValueError, match=r"input\[0\] is on device meta"):
+        scatter(torch.empty(4, 2, device="meta"), 2)

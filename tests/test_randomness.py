@@ -78,3 +78,36 @@ def test_pass_flags_seen_by_layers(make_pipe, checkpoint: str) -> None:
     assert seen.count((False, True)) == checkpointed
     assert seen.count((False, False)) == 3 - checkpointed
     assert not gf.is_checkpointing() and not gf.is_recomputing()  # caller's thread untouched
+
+
+def test_only_cells_that_may_draw_random_numbers_are_probed() -> None:
+    from gpipe_fast.randomness import may_draw_random
+
+    class Custom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.rand_like(x)
+
+    assert not may_draw_random(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.LayerNorm(2)))
+    assert may_draw_random(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert may_draw_random(nn.Sequential(nn.RReLU()))
+    assert may_draw_random(nn.Sequential(nn.TransformerEncoderLayer(4, 2)))
+    assert not may_draw_random(nn.Sequential(nn.MultiheadAttention(4, 2)))
+    assert may_draw_random(nn.Sequential(Custom()))
+
+
+def test_custom_random_layer_is_replayed(make_pipe) -> None:
+    class Noise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rand_like(x)
+
+    outs = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(3)
+        module = nn.Sequential(nn.Linear(4, 4), Noise(), nn.Linear(4, 4)).double()
+        pipe = make_pipe(module, [2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+        x = torch.randn(4, 4, dtype=torch.float64)
+        out = pipe(x)
+        out.sum().backward()
+        outs.append((out.detach(), module[0].weight.grad.clone()))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)

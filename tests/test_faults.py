@@ -1,0 +1,320 @@
+"""Fault injection: an exception planted in any cell, micro-batch and pass (forward, recompute,
+backward, the boundary copy) reaches the caller with its type and whereabouts, no worker is
+left waiting, and the next step on the same pipe gives the unpartitioned module's gradients.
+Ctrl-C (SIGINT) during a long step stops it the same way."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast import _C
+
+from helpers import assert_same_run, native_threads, no_hang, pipe_run, reference_run
+
+K, M, N, WIDTH = 3, 4, 8, 4  # 3 cells, 4 micro-batches of 2 samples
+MICROBATCH = N // M
+FIRST_MIDDLE_LAST = (0, 2, M - 1)
+
+
+class PlantedError(Exception):
+    """The planted exception: a type of its own, so the caller's type check means something."""
+
+
+class _Faults:
+    """Where to raise: (cell, micro-batch, pass) or None."""
+
+    target: tuple[int, int, str] | None = None
+
+
+class _Keep(nn.Module):
+    """Applies `inner` to the features and passes the last column (the sample's index) through
+    unchanged, so a layer anywhere in the pipe can tell which micro-batch it is running."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.inner(x[:, :-1]), x[:, -1:]], dim=1)
+
+
+class _Plant(nn.Module):
+    """Identity that raises when its cell, the micro-batch it sees and its pass are the target."""
+
+    def __init__(self, cell: int, faults: _Faults) -> None:
+        super().__init__()
+        self.cell, self.faults = cell, faults
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        target = self.faults.target
+        if target is None or target[0] != self.cell:
+            return x
+        m = int(x[0, -1].item()) // MICROBATCH
+        now = "recompute" if gf.is_recomputing() else "forward"
+        if target[1:] == (m, now):
+            raise PlantedError(f"planted in the {now} of micro-batch {m}")
+        if target[1:] == (m, "backward"):
+            return _RaiseInBackward.apply(x, f"planted in the backward of micro-batch {m}")
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, message):  # type: ignore[no-untyped-def]
+        ctx.message = message
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise PlantedError(ctx.message)
+
+
+def _planted_model() -> tuple[nn.Sequential, _Faults]:
+    faults = _Faults()
+    layers: list[nn.Module] = []
+    for cell in range(K):
+        layers += [_Keep(nn.Linear(WIDTH, WIDTH)), _Plant(cell, faults), _Keep(nn.Tanh())]
+    return nn.Sequential(*layers).double(), faults
+
+
+def _tagged_input() -> torch.Tensor:
+    features = torch.randn(N, WIDTH, dtype=torch.float64)
+    return torch.cat([features, torch.arange(N, dtype=torch.float64)[:, None]], dim=1)
+
+
+def _check_error(error: BaseException, cell: int, m: int, where: str, planted: str) -> None:
+    assert type(error) is PlantedError
+    message = str(error)
+    assert planted in message, message
+    head = message.split(planted)[0]  # the whereabouts come before the original text
+    assert f"cell {cell}," in head and f"micro-batch {m}," in head and where in head, message
+
+
+def _check_recovers(pipe: gf.GPipe, module: nn.Sequential, x: torch.Tensor, workers: int) -> None:
+    assert pipe._pipeline.executor.live_events == 0
+    # The caller zeroes the gradients (pipe_run does), and the next step is exact.
+    with no_hang():
+        assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
+    assert native_threads("gpipe-cell") == workers  # no worker lost or added
+
+
+def _cases() -> list[tuple[int, int, str, str]]:
+    cases = []
+    for cell, m, where, checkpoint in itertools.product(
+        range(K), FIRST_MIDDLE_LAST, ("forward", "recompute", "backward"), gf.gpipe.CHECKPOINT_MODES
+    ):
+        recomputed = checkpoint == "always" or (checkpoint == "except_last" and m < M - 1)
+        if where == "recompute" and not recomputed:
+            continue  # that micro-batch is never recomputed in this mode
+        cases.append((cell, m, where, checkpoint))
+    return cases
+
+
+@pytest.mark.parametrize(("cell", "m", "where", "checkpoint"), _cases())
+def test_fault_in_a_cell_reaches_caller_and_pipe_recovers(
+    make_pipe, cell: int, m: int, where: str, checkpoint: str
+) -> None:
+    module, faults = _planted_model()
+    pipe = make_pipe(module, [3] * K, devices=["cpu"] * K, chunks=M, checkpoint=checkpoint)
+    x = _tagged_input()
+    pipe_run(pipe, module, x)  # the workers exist, and their Python state
+    workers = native_threads("gpipe-cell")
+    faults.target = (cell, m, where)
+    with no_hang(), pytest.raises(PlantedError) as caught:
+        out = pipe(x.clone().requires_grad_())
+        assert where != "forward", "the forward fault did not fire"
+        out.sum().backward()
+    _check_error(caught.value, cell, m, f"{where} pass", f"planted in the {where}")
+    faults.target = None
+    _check_recovers(pipe, module, x, workers)
+
+
+def _schedule_order(phase: str, cell: int, checkpoint: str) -> list[int]:
+    """The micro-batches of `cell`'s forward or backward tasks, in the order its worker runs
+    them (the order in which it calls receive)."""
+    if phase == "forward":
+        schedule, kind = _C.gpipe_forward(K, M), _C.TaskKind.Forward
+    else:
+        recompute = [
+            checkpoint == "always" or (checkpoint == "except_last" and m < M - 1) for m in range(M)
+        ]
+        schedule, kind = _C.gpipe_backward(K, M, recompute), _C.TaskKind.Backward
+    tasks = [schedule.tasks[i] for i in schedule.order(cell)]
+    return [task.microbatch for task in tasks if task.kind == kind]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("m", FIRST_MIDDLE_LAST)
+@pytest.mark.parametrize("cell", range(K))
+def test_fault_in_a_boundary_copy_is_named_as_such(
+    make_pipe, monkeypatch: pytest.MonkeyPatch, cell: int, m: int, phase: str
+) -> None:
+    module, _ = _planted_model()
+    pipe = make_pipe(module, [3] * K, devices=["cpu"] * K, chunks=M, checkpoint="except_last")
+    x = _tagged_input()
+    pipe_run(pipe, module, x)
+    workers = native_threads("gpipe-cell")
+    streams = pipe._pipeline.streams
+    real_receive = streams.receive
+    order = iter(_schedule_order(phase, cell, "except_last"))
+
+    def failing_receive(tensor: torch.Tensor, device: torch.device, into: int) -> torch.Tensor:
+        # Only cell `cell`'s worker takes from `order`, one micro-batch per receive, in order.
+        if into == cell and next(order) == m:
+            raise PlantedError(f"planted in the copy of micro-batch {m}")
+        return real_receive(tensor, device, into)
+
+    with no_hang(), pytest.raises(PlantedError) as caught:
+        if phase == "forward":
+            monkeypatch.setattr(streams, "receive", failing_receive)
+        out = pipe(x.clone().requires_grad_())
+        assert phase != "forward", "the copy fault did not fire"
+        monkeypatch.setattr(streams, "receive", failing_receive)
+        out.sum().backward()
+    _check_error(caught.value, cell, m, f"boundary copy ({phase})", "planted in the copy")
+    assert " pass" not in str(caught.value).split("planted")[0]
+    monkeypatch.setattr(streams, "receive", real_receive)
+    _check_recovers(pipe, module, x, workers)
+
+
+@pytest.mark.parametrize("error", [PlantedError(), KeyError(3), OSError(5, "planted")])
+def test_errors_without_a_text_message_keep_their_type_and_args(make_pipe, error) -> None:
+    class Raise(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise error
+
+    args = error.args
+    pipe = make_pipe(nn.Sequential(nn.Identity(), Raise()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    with no_hang(), pytest.raises(type(error)) as caught:
+        pipe(torch.randn(4, 2))
+    assert caught.value is error and error.args == args  # nothing to prefix: args untouched
+    if sys.version_info >= (3, 11):
+        assert "gpipe_fast: in cell 1, micro-batch 0, forward pass" in error.__notes__
+
+
+def test_failed_step_leaves_no_deferred_batch_norm_statistics(make_pipe) -> None:
+    # Cell 0 normalises micro-batches 0 and 1 before cell 1 fails on micro-batch 1: those
+    # statistics belong to a step that never happened and must not reach the next commit.
+    class FailOnce(nn.Module):
+        armed = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed and x.size(0) == 3:  # micro-batch 1 of the failing step (4 + 3)
+                raise PlantedError("planted")
+            return x
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), FailOnce())
+
+    failing, clean = build(), build()
+    pipes = [
+        make_pipe(m, [2, 1], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+        for m in (failing, clean)
+    ]
+    with no_hang(), pytest.raises(PlantedError):
+        pipes[0](torch.randn(7, 3) * 10 + 5)
+    x = torch.randn(8, 3)
+    for pipe in pipes:
+        pipe(x).sum().backward()
+    torch.testing.assert_close(failing[1].running_mean, clean[1].running_mean)
+    torch.testing.assert_close(failing[1].running_var, clean[1].running_var)
+    assert int(failing[1].num_batches_tracked) == int(clean[1].num_batches_tracked) == 1
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+
+_INTERRUPT_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import torch
+    from torch import nn
+    import gpipe_fast as gf
+
+    class Slow(nn.Module):
+        seconds = {"forward": 0.0, "backward": 0.0}
+
+        def forward(self, x):
+            return _Sleep.apply(x)
+
+    class _Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(Slow.seconds["forward"])
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(Slow.seconds["backward"])
+            return grad
+
+    def check_step(pipe, model, x):
+        model.zero_grad()
+        pipe(x).sum().backward()
+        through_pipe = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model(x).sum().backward()
+        for got, want in zip(through_pipe, [p.grad for p in model.parameters()]):
+            torch.testing.assert_close(got, want)
+
+    model = nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4), Slow())
+    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=32, checkpoint="never")
+    x = torch.randn(32, 4)
+    check_step(pipe, model, x)  # warm-up: torch's first-call imports are not part of the test
+
+    for phase in ("forward", "backward"):
+        # 32 micro-batches of 0.2 s: the phase takes over 6 s; Ctrl-C comes after 0.5 s.
+        Slow.seconds[phase] = 0.2
+        out = pipe(x) if phase == "backward" else None
+        fired = []
+
+        def interrupt():
+            fired.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Timer(0.5, interrupt).start()
+        started = time.monotonic()
+        try:
+            if phase == "forward":
+                pipe(x)
+            else:
+                out.sum().backward()
+        except KeyboardInterrupt:
+            print(phase, f"{time.monotonic() - fired[0]:.3f}", flush=True)
+        else:
+            print(phase, "not interrupted: ran to its end in", time.monotonic() - started)
+            sys.exit(3)
+        del out
+        Slow.seconds[phase] = 0.0
+        check_step(pipe, model, x)  # the same pipe runs a normal step
+    print("recovered", flush=True)
+    """
+)
+
+
+def test_ctrl_c_stops_a_long_step_and_pipe_recovers(tmp_path: Path) -> None:
+    # From an empty folder, so the installed package is imported, not the source tree.
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["forward", "backward", "recovered"], output
+    for line in lines[:2]:
+        # Workers finish the task they are in (0.2 s) and start no other; left to run, the
+        # phase would end about 6 s after the signal. The margin is for a loaded machine.
+        assert float(line.split()[1]) < 2.0, output
