@@ -94,30 +94,34 @@ class DeferredBatchNorm(_BatchNorm):
         return module
 
 
-@contextmanager
-def frozen_running_stats(module: nn.Module) -> Iterator[None]:
-    """Keeps plain BatchNorm running statistics unchanged through a recompute, which must not
-    count the same micro-batch twice. Momentum 0 leaves them as they are (they cannot be
-    restored by copying: autograd saved them for backward), and the batch counter is put back.
-    """
-    layers = [
+def plain_batch_norms(module: nn.Module) -> list[_BatchNorm]:
+    """The BatchNorm layers in `module` that track running statistics themselves."""
+    return [
         m
         for m in module.modules()
         if isinstance(m, _BatchNorm)
         and not isinstance(m, DeferredBatchNorm)
-        and m.training
         and m.track_running_stats
     ]
+
+
+@contextmanager
+def frozen_running_stats(layers: list[_BatchNorm]) -> Iterator[None]:
+    """Keeps plain BatchNorm running statistics unchanged through a recompute, which must not
+    count the same micro-batch twice. Momentum 0 leaves them as they are (they cannot be
+    restored by copying: autograd saved them for backward), and the batch counter is put back.
+    """
+    training = [m for m in layers if m.training]
     saved = [
         (m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-        for m in layers
+        for m in training
     ]
-    for m in layers:
+    for m in training:
         m.momentum = 0.0
     try:
         yield
     finally:
-        for m, (momentum, tracked) in zip(layers, saved, strict=True):
+        for m, (momentum, tracked) in zip(training, saved, strict=True):
             m.momentum = momentum
             if tracked is not None and m.num_batches_tracked is not None:
                 m.num_batches_tracked.copy_(tracked)

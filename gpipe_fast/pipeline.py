@@ -19,8 +19,8 @@ thread that called backward(), where it is safe to wait for the cells' workers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats
+from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats, plain_batch_norms
 from gpipe_fast.checkpoint import pass_flags
 from gpipe_fast.microbatch import Value, as_tensors, gather, like, scatter
 from gpipe_fast.randomness import TaskRandomness, draw_step_seed, may_draw_random, task_seed
@@ -46,6 +46,10 @@ class _AutocastState:
     """The caller's autocast settings, replayed on the worker threads."""
 
     settings: tuple[tuple[str, bool, torch.dtype], ...]
+
+    @property
+    def enabled(self) -> bool:
+        return any(on for _, on, _ in self.settings)
 
     @classmethod
     def capture(cls) -> _AutocastState:
@@ -91,6 +95,27 @@ def _detach_to(
         streams.receive(tensor.detach(), device, cell).requires_grad_(grad)
         for tensor, grad in zip(value, requires_grad, strict=True)
     )
+
+
+def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """torch.autograd.backward without its argument checks, which cost ~20 us a call (a
+    symbolic shape comparison per root); here roots and gradients come from the pipe itself
+    and match by construction. Falls back to the public call if torch moves the entry point."""
+    _engine_run_backward(
+        tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    torch.autograd.backward(list(roots), list(grads))
+
+
+try:
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - older or newer torch without the private helper
+    _run_backward = _public_backward
+else:
+    _run_backward = _engine_backward
 
 
 class Step:
@@ -149,12 +174,6 @@ class Step:
             self.copying[cell] = False
             raise
 
-    @contextmanager
-    def _boundary_copy(self, cell: int) -> Iterator[None]:
-        self.copying[cell] = True
-        yield
-        self.copying[cell] = False  # left set when the copy raised: run_task names it
-
     def _forward(self, cell: int, m: int) -> None:
         pipeline = self.pipeline
         if cell == 0:
@@ -168,26 +187,29 @@ class Step:
                 self.needs_input_grad[cell] and t.is_floating_point()
                 for t in as_tensors(source, f"output of cell {cell - 1}")
             ]
-        with self._boundary_copy(cell):
-            tensors = _detach_to(
-                as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams, cell, flags
-            )
+        # The flag stays set if the copy raises, so run_task names the copy, not the compute.
+        self.copying[cell] = True
+        tensors = _detach_to(
+            as_tensors(source, "input"), pipeline.devices[cell], pipeline.streams, cell, flags
+        )
+        self.copying[cell] = False
         checkpointing = self.track and self.checkpointed[m]
-        with self._context(cell, m, checkpointing=checkpointing, recomputing=False):
-            with torch.set_grad_enabled(self.track and not checkpointing):
-                output = pipeline.cells[cell](like(tensors, source))
+        output = self._run_cell(
+            cell,
+            m,
+            like(tensors, source),
+            grad=self.track and not checkpointing,
+            checkpointing=checkpointing,
+        )
         as_tensors(output, f"the output of cell {cell}")
         if self.track:
             self.inputs[cell][m] = like(tensors, source)
         self.outputs[cell][m] = output
 
     def _recompute(self, cell: int, m: int) -> None:
-        with (
-            self._context(cell, m, checkpointing=False, recomputing=True),
-            frozen_running_stats(self.pipeline.cells[cell]),
-            torch.enable_grad(),
-        ):
-            self.outputs[cell][m] = self.pipeline.cells[cell](self.inputs[cell][m])
+        self.outputs[cell][m] = self._run_cell(
+            cell, m, self.inputs[cell][m], grad=True, recomputing=True
+        )
 
     def _backward(self, cell: int, m: int) -> None:
         pipeline = self.pipeline
@@ -197,11 +219,12 @@ class Step:
         for output, grad in zip(outputs, grads, strict=True):
             if output.requires_grad and grad is not None:
                 roots.append(output)
-                with self._boundary_copy(cell):
-                    root_grads.append(pipeline.streams.receive(grad, output.device, cell))
+                self.copying[cell] = True  # as in _forward
+                root_grads.append(pipeline.streams.receive(grad, output.device, cell))
+                self.copying[cell] = False
         if roots:
             with pipeline.streams.on(cell), torch.enable_grad():
-                torch.autograd.backward(roots, root_grads)
+                _run_backward(roots, root_grads)
         inputs = as_tensors(self.inputs[cell][m], "input")
         input_grads = tuple(t.grad if t.requires_grad else None for t in inputs)
         if cell > 0:
@@ -210,24 +233,43 @@ class Step:
             self.input_grads[m] = input_grads
         self.inputs[cell][m] = self.outputs[cell][m] = self.output_grads[cell][m] = None
 
-    @contextmanager
-    def _context(
-        self, cell: int, m: int, *, checkpointing: bool, recomputing: bool
-    ) -> Iterator[None]:
-        """What a cell's forward runs under: its stream and device, the caller's autocast,
-        the pass flags, and the task's own random generators."""
+    def _run_cell(
+        self,
+        cell: int,
+        m: int,
+        value: Value,
+        *,
+        grad: bool,
+        checkpointing: bool = False,
+        recomputing: bool = False,
+    ) -> Value:
+        """Runs one cell on one micro-batch under what its forward needs: its worker's
+        settings, its stream, the caller's autocast, the pass flags, the task's own random
+        generators, and (recomputing) frozen BatchNorm statistics. The common CPU case skips
+        every part it does not need: this runs on every task."""
         pipeline = self.pipeline
+        pipeline.prepare_worker(cell)
+        module = pipeline.cells[cell]
+        key = (cell, module.training)
+        random = pipeline.random_cells.get(key, True)
+        batch_norms = pipeline.batch_norms[cell] if recomputing else []
+        flags = pass_flags(checkpointing=checkpointing, recomputing=recomputing)
+        if not (random or batch_norms or self.autocast.enabled or pipeline.streams.streams[cell]):
+            with flags, torch.set_grad_enabled(grad):
+                return module(value)
         with ExitStack() as stack:
-            pipeline.prepare_worker(cell)
             stack.enter_context(pipeline.streams.on(cell))
             self.autocast.enter(stack)
-            stack.enter_context(pass_flags(checkpointing=checkpointing, recomputing=recomputing))
+            stack.enter_context(flags)
+            stack.enter_context(frozen_running_stats(batch_norms))
+            stack.enter_context(torch.set_grad_enabled(grad))
             randomness = None
-            if pipeline.random_cells.get((cell, pipeline.cells[cell].training), True):
+            if random:
                 randomness = stack.enter_context(TaskRandomness(task_seed(self.seed, cell, m)))
-            yield
-            if randomness is not None:
-                pipeline.random_cells[(cell, pipeline.cells[cell].training)] = randomness.used
+            output = module(value)
+        if randomness is not None:
+            pipeline.random_cells[key] = randomness.used
+        return output
 
     # -- phases: run on the caller's thread ------------------------------------------------
 
@@ -348,6 +390,7 @@ class Pipeline:
         self.threads_per_cell = threads_per_cell
         # Seconds a forward or backward phase may take before TimeoutError (None: no limit).
         self.step_timeout: float | None = None
+        self.batch_norms = [plain_batch_norms(cell) for cell in self.cells]
         self.deferred_batch_norms = [
             layer
             for cell in self.cells
