@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
+from gpipe_fast.microbatch import as_tensors
 
 Device = torch.device | str | int
 Sample = Tensor | tuple[Tensor, ...]
@@ -90,17 +91,6 @@ def _check_balance(balance: object, cells: int, layers: int) -> list[int]:
     if sum(sizes) != layers:
         raise ValueError(f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers")
     return sizes
-
-
-def _sample_tensors(value: object, name: str) -> tuple[Tensor, ...]:
-    """The tensors of a Tensor or a non-empty tuple of Tensors; TypeError naming `name` else."""
-    if isinstance(value, Tensor):
-        return (value,)
-    if isinstance(value, tuple) and value and all(isinstance(t, Tensor) for t in value):
-        return value
-    raise TypeError(
-        f"{name} must be a Tensor or a non-empty tuple of Tensors, got {type(value).__name__}"
-    )
 
 
 def _resolve_device(device: Device | None, module: nn.Module) -> torch.device:
@@ -193,7 +183,7 @@ def _profiling_copy(layer: nn.Module, index: int, device: torch.device) -> nn.Mo
 
 
 def _tensors_of_output(value: object, index: int) -> tuple[Tensor, ...]:
-    return _sample_tensors(value, f"the output of module[{index}]")
+    return as_tensors(value, f"the output of module[{index}]")
 
 
 def _like(tensors: Sequence[Tensor], template: object) -> Sample:
@@ -209,7 +199,7 @@ def _fresh_input(value: Sample, needs_grad: Sequence[bool]) -> Sample:
     """`value` as a cell boundary hands it over: fresh autograd leaves. Each is then cloned so
     that an in-place first op (ReLU(inplace=True)) neither trips over a leaf nor changes the
     input of the next repeat."""
-    tensors = _sample_tensors(value, "sample")
+    tensors = as_tensors(value, "sample")
     fresh = [
         t.detach().requires_grad_(grad).clone() for t, grad in zip(tensors, needs_grad, strict=True)
     ]
@@ -277,7 +267,7 @@ def profile_layers(
     target = _resolve_device(device, module)
     warmup = _check_int(warmup, "warmup", 0)
     repeats = _check_int(repeats, "repeats", 1)
-    tensors = _sample_tensors(sample, "sample")
+    tensors = as_tensors(sample, "sample")
     value = _like([t.to(target) for t in tensors], sample)
     needs_grad = [t.requires_grad for t in tensors]
     upstream = any(needs_grad)  # does anything before this layer learn?
@@ -322,7 +312,7 @@ def layer_output_bytes(
     cell boundary they become tensors of their own."""
     module = _check_module(module)
     target = _resolve_device(device, module)
-    tensors = _sample_tensors(sample, "sample")
+    tensors = as_tensors(sample, "sample")
     # A copy even on the same device: an in-place first layer must not edit the caller's sample.
     value: Sample = _like([t.detach().to(target, copy=True) for t in tensors], sample)
     sizes = []

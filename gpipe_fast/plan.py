@@ -19,13 +19,13 @@ from gpipe_fast.balance import (
     _check_int,
     _check_module,
     _check_param_scale,
-    _sample_tensors,
     layer_costs_by_params,
     layer_output_bytes,
     layer_param_bytes,
     partition,
     profile_layers,
 )
+from gpipe_fast.microbatch import as_tensors
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -184,7 +184,7 @@ def plan(
     checkpoint = _check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
     if balance is not None:
         balance = _check_balance(balance, cells, len(module))
-    batch = _first_dim(_sample_tensors(sample, "sample"))
+    batch = _first_dim(as_tensors(sample, "sample"))
     if chunks > batch:
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
 

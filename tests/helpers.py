@@ -123,3 +123,16 @@ def native_threads(prefix: str = "") -> int:
         except FileNotFoundError:  # ended while we looked
             pass
     return count
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity in forward; raises `error` (an exception instance) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, error):  # type: ignore[no-untyped-def]
+        ctx.error = error
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise ctx.error

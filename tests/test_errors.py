@@ -8,7 +8,7 @@ from torch import nn
 
 import gpipe_fast as gf
 
-from helpers import assert_same_run, mlp, no_hang, pipe_run, reference_run
+from helpers import RaiseInBackward, assert_same_run, mlp, no_hang, pipe_run, reference_run
 
 
 @pytest.mark.parametrize(
@@ -54,19 +54,8 @@ class _Fail(nn.Module):
         if self.armed and self.where == "forward" and not gf.is_recomputing():
             raise self.error("planted in forward")
         if self.armed and self.where == "backward":
-            return _RaiseInBackward.apply(x, self.error)
+            return RaiseInBackward.apply(x, self.error("planted in backward"))
         return x
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, error):  # type: ignore[no-untyped-def]
-        ctx.error = error
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        raise ctx.error("planted in backward")
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])

@@ -18,7 +18,14 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 
-from helpers import assert_same_run, native_threads, no_hang, pipe_run, reference_run
+from helpers import (
+    RaiseInBackward,
+    assert_same_run,
+    native_threads,
+    no_hang,
+    pipe_run,
+    reference_run,
+)
 
 K, M, N, WIDTH = 3, 4, 8, 4  # 3 cells, 4 micro-batches of 2 samples
 MICROBATCH = N // M
@@ -63,19 +70,10 @@ class _Plant(nn.Module):
         if target[1:] == (m, now):
             raise PlantedError(f"planted in the {now} of micro-batch {m}")
         if target[1:] == (m, "backward"):
-            return _RaiseInBackward.apply(x, f"planted in the backward of micro-batch {m}")
+            return RaiseInBackward.apply(
+                x, PlantedError(f"planted in the backward of micro-batch {m}")
+            )
         return x
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, message):  # type: ignore[no-untyped-def]
-        ctx.message = message
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        raise PlantedError(ctx.message)
 
 
 def _planted_model() -> tuple[nn.Sequential, _Faults]:
