@@ -37,9 +37,9 @@ def build_model() -> nn.Sequential:
     )
 
 
-def thread_efficiency(repeats: int = 150) -> float:
+def thread_efficiency(width: int = WIDTH, repeats: int = 150) -> float:
     """Work done by two threads at once relative to one (2.0 = two real cores)."""
-    a, w = torch.randn(32, WIDTH), torch.randn(WIDTH, WIDTH)
+    a, w = torch.randn(32, width), torch.randn(width, width)
 
     def work() -> None:
         torch.set_num_threads(1)
@@ -59,21 +59,17 @@ def thread_efficiency(repeats: int = 150) -> float:
     return 2 * one / two
 
 
-def contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
-    sequential_model = build_model()
-
-    def sequential() -> None:
-        for micro in x.chunk(CHUNKS):
-            sequential_model(micro).sum().backward()
-
+def pipeline_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """One training step of gpipe_fast and (if installed) torchgpipe on the workload."""
     ours = gf.GPipe(
         build_model(), [4, 4], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint="never"
     )
+    assert ours.threads_per_cell == 1, ours.threads_per_cell
 
     def gpipe_fast() -> None:
         ours(x).sum().backward()
 
-    runs = {"sequential (1 thread)": sequential, "gpipe_fast": gpipe_fast}
+    runs = {"gpipe_fast": gpipe_fast}
     try:
         import torchgpipe
     except ImportError:
@@ -88,6 +84,16 @@ def contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
 
         runs["torchgpipe 0.0.7"] = torchgpipe_run
     return runs
+
+
+def contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
+    sequential_model = build_model()
+
+    def sequential() -> None:
+        for micro in x.chunk(CHUNKS):
+            sequential_model(micro).sum().backward()
+
+    return {"sequential (1 thread)": sequential, **pipeline_contenders(x)}
 
 
 def main() -> None:

@@ -1,0 +1,320 @@
+"""Side-by-side CPU step time: gpipe_fast vs torchgpipe vs torch.distributed.pipelining.
+
+Workload (the one of side_by_side_cpu.py, issue 5): 8 x (Linear(1024, 1024) + ReLU), batch
+256, M = 8 micro-batches, balance [4, 4], forward + out.sum().backward() with no
+re-materialisation, one intra-op thread per stage. Contenders:
+
+- gpipe_fast: GPipe on devices ["cpu", "cpu"], checkpoint "never", in this process;
+- torchgpipe 0.0.7: the same, in this process (skipped if not installed);
+- torch.distributed.pipelining: PipelineStage + ScheduleGPipe and + Schedule1F1B (loss_fn =
+  output.sum(), scale_grads=False, so the gradients are those of out.sum()), one stage per
+  process in 2 persistent worker processes joined by gloo over 127.0.0.1;
+- unpipelined: the plain model on the whole batch, on 1 and on 2 intra-op threads, and
+  on the 8 micro-batches one after another on 1 thread (side_by_side_cpu.py's baseline).
+
+All run in one launch, interleaved round by round: each round runs one step of every
+contender, in an order rotated by one each round. A local step is timed here; a pipelining
+step is timed from the request to both workers to the last reply (the workers block on
+their queues, and this process on the replies, while the others compute); the workers
+also report their own step time, the difference being the request/reply overhead (~1 ms).
+The table gives medians, ratios of medians and "paired" ratios (the median over rounds of
+contender / gpipe_fast within one round); a machine line gives how much work two threads
+do at once here relative to one, as in side_by_side_cpu.py.
+
+    python bench/side_by_side_frameworks.py [--rounds 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from side_by_side_cpu import (
+    BATCH,
+    CHUNKS,
+    WIDTH,
+    build_model,
+    pipeline_contenders,
+    thread_efficiency,
+)
+
+SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
+REPLY_TIMEOUT_S = 120.0  # a worker that has not answered by then is considered dead
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the torch.distributed.pipelining workers ----------------------------------------------
+
+
+def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
+def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue) -> None:
+    """One pipeline stage; runs a step of the named schedule per request until "stop"."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=REPLY_TIMEOUT_S),
+        )
+        torch.manual_seed(1)
+        x = torch.randn(BATCH, WIDTH)
+        target = torch.zeros(BATCH)
+        schedules = {}
+        for name, kind in zip(SCHEDULES, (ScheduleGPipe, Schedule1F1B), strict=True):
+            # Each schedule drives its own copy of the stage, as each local contender has its
+            # own copy of the model.
+            half = build_model()[4 * rank : 4 * rank + 4]
+            stage = PipelineStage(half, rank, 2, torch.device("cpu"))
+            schedules[name] = kind(stage, CHUNKS, loss_fn=_sum_loss, scale_grads=False)
+        replies.put((rank, "ready", 0.0, None))
+        while True:
+            try:
+                request = requests.get(timeout=5.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the main process is gone: leave
+                    return
+                continue
+            if request == "stop":
+                return
+            start = time.perf_counter()
+            if rank == 0:
+                schedules[request].step(x)
+            else:
+                schedules[request].step(target=target)
+            replies.put((rank, request, time.perf_counter() - start, None))
+    except BaseException as error:  # report, then exit: the main process stops the other
+        replies.put((rank, "error", 0.0, f"{type(error).__name__}: {error}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Workers:
+    """The 2 stage processes; stop() always ends them (stop request, then terminate/kill)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.replies = ctx.Queue()
+        self.requests = [ctx.Queue() for _ in range(2)]
+        self.procs = [
+            ctx.Process(
+                target=worker, args=(rank, port, self.requests[rank], self.replies), daemon=True
+            )
+            for rank in range(2)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect("ready")
+
+    def _collect(self, expected: str) -> float:
+        """Waits for both ranks' replies; returns the longest step time they report."""
+        own, deadline = 0.0, time.monotonic() + REPLY_TIMEOUT_S
+        for _ in range(2):
+            while True:
+                try:
+                    rank, what, seconds, error = self.replies.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [p.pid for p in self.procs if not p.is_alive()]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"pipelining workers did not answer {expected!r} (dead: {dead})"
+                        ) from None
+            if error is not None:
+                raise RuntimeError(f"pipelining worker {rank}: {error}")
+            assert what == expected, (what, expected)
+            own = max(own, seconds)
+        return own
+
+    def step(self, schedule: str) -> tuple[float, float]:
+        """(request-to-reply seconds, the workers' own step seconds)."""
+        start = time.perf_counter()
+        for q in self.requests:
+            q.put(schedule)
+        own = self._collect(schedule)
+        return time.perf_counter() - start, own
+
+    def stop(self) -> None:
+        for q in self.requests:
+            try:
+                q.put("stop")
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# -- the local contenders ------------------------------------------------------------------
+
+
+def _timed(run: Callable[[], None]) -> tuple[float, None]:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start, None
+
+
+def local_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
+    plain = build_model()
+
+    def unpipelined(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:
+                plain(x).sum().backward()
+            finally:
+                torch.set_num_threads(1)
+
+        return run
+
+    runs = pipeline_contenders(x)
+    runs["unpipelined, 1 thread"] = unpipelined(1)
+
+    def sequential() -> None:
+        for micro in x.chunk(CHUNKS):
+            plain(micro).sum().backward()
+
+    runs["8 micro-batches in turn, 1 thread"] = sequential
+    runs["unpipelined, 2 threads"] = unpipelined(2)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # cells pin their own (1 each on 2 cores)
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, WIDTH)
+    runs = local_contenders(x)
+    efficiency: list[float] = []
+    load_before = os.getloadavg()[0]
+    workers = Workers()
+    try:
+        # Every contender is a step returning (request-to-reply seconds, the workers' own).
+        steps: dict[str, Callable[[], tuple[float, float | None]]] = {
+            name: (lambda run=run: _timed(run)) for name, run in runs.items()
+        }
+        for schedule in SCHEDULES:
+            steps[f"pipelining {schedule}"] = lambda s=schedule: workers.step(s)
+        names = list(steps)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        own_times: dict[str, list[float]] = {f"pipelining {s}": [] for s in SCHEDULES}
+        for round_ in range(args.warmup + args.rounds):
+            measured = round_ >= args.warmup
+            shift = round_ % len(names)  # rotate the order: no contender always goes first
+            for name in names[shift:] + names[:shift]:
+                wall, own = steps[name]()
+                if measured:
+                    times[name].append(wall)
+                    if own is not None:
+                        own_times[name].append(own)
+            if measured and round_ % 3 == 0:
+                efficiency.append(thread_efficiency())
+            print(f"round {round_ + 1}/{args.warmup + args.rounds}", end="\r", flush=True)
+    finally:
+        workers.stop()
+    print()
+
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    own_medians = {name: statistics.median(values) for name, values in own_times.items()}
+    capacity = statistics.median(efficiency)
+    ours = medians["gpipe_fast"]
+    base = medians["unpipelined, 1 thread"]
+    print(
+        f"machine: two threads do {capacity:.2f}x the work of one; load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    print(f"{args.rounds} rounds, medians")
+    # Paired: the median over rounds of (contender / gpipe_fast) within the same round.
+    paired = {
+        name: statistics.median(t / o for t, o in zip(values, times["gpipe_fast"], strict=True))
+        for name, values in times.items()
+    }
+    header = (
+        f"{'contender':<34}{'ms':>8}{'vs unpipelined 1t':>19}"
+        f"{'gpipe_fast speed-up':>21}{'paired':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, median in medians.items():
+        print(
+            f"{name:<34}{median * 1e3:>8.1f}{median / base:>19.3f}"
+            f"{median / ours:>20.2f}x{paired[name]:>7.2f}x"
+        )
+    for name, median in own_medians.items():
+        print(f"  ({name}: {median * 1e3:.1f} ms measured inside the workers)")
+    # The best any 2-stage pipeline of these 8 micro-batches can do here: the micro-batches'
+    # work in turn, times the fill-drain share (M + K - 1) / (M K), on 2 threads worth
+    # `capacity` threads.
+    floor = (
+        medians["8 micro-batches in turn, 1 thread"] * (CHUNKS + 1) / (2 * CHUNKS) * 2 / capacity
+    )
+    print(
+        f"pipeline floor here: {floor * 1e3:.1f} ms (micro-batches in turn x 9/16 x 2 / "
+        f"{capacity:.2f}); " + ", ".join(f"{n} {medians[n] / floor:.2f}x" for n in medians)
+    )
+    targets = [("torchgpipe 0.0.7", 2.0)] + [(f"pipelining {s}", 1.4) for s in SCHEDULES]
+    for name, target in targets:
+        if name in medians:
+            ratio = medians[name] / ours
+            verdict = "met" if ratio >= target else f"missed by {target / ratio:.2f}x"
+            print(
+                f"target >= {target}x over {name}: {ratio:.2f}x, paired {paired[name]:.2f}x "
+                f"({verdict})"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "medians_s": medians,
+                    "paired_speedup": paired,
+                    "worker_own_medians_s": own_medians,
+                    "thread_efficiency": capacity,
+                    "rounds": args.rounds,
+                    "samples_s": times,
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
