@@ -47,6 +47,60 @@ double min_bottleneck(const std::vector<double>& prefix, int cells) {
   return best[static_cast<std::size_t>(n)];
 }
 
+// One row of the balancing DP: for each prefix length i, the split s (last cell = layers
+// s..i-1) minimising score[s] + cost(s, i)^2 over the feasible window
+// [max(window_start[i], first), min(i - 1, reach)]. The squared cost obeys the quadrangle
+// inequality and both window ends are non-decreasing in i, so the smallest optimal s is
+// non-decreasing in i too: divide and conquer finds a row in O(n log n) instead of
+// O(n * window), which matters when many layers cost ~0 and windows span the whole model.
+struct ChooseSplits {
+  const std::vector<double>& prefix;
+  const std::vector<double>& score;
+  const std::vector<int>& window_start;
+  std::vector<double>& best;
+  int* choice;
+  int first;  // smallest feasible split (j - 1 cells before it)
+  int reach;  // largest feasible split
+
+  // Fills best/choice for i in [ilo, ihi], knowing their splits lie in [slo, shi].
+  void solve(int ilo, int ihi, int slo, int shi) {
+    if (ilo > ihi) return;
+    const int mid = ilo + (ihi - ilo) / 2;
+    const int from = std::max(window_start[static_cast<std::size_t>(mid)], first);
+    const int to = std::min(mid - 1, reach);
+    int arg = scan(mid, std::max(from, slo), std::min(to, shi));
+    if (arg < 0) arg = scan(mid, from, to);  // guard: never trust the bound over the window
+    if (arg < 0) {
+      // Not even the full window is feasible: mid lies past what these cells can hold, and
+      // so does every longer prefix.
+      solve(ilo, mid - 1, slo, shi);
+      return;
+    }
+    solve(ilo, mid - 1, slo, arg);
+    solve(mid + 1, ihi, arg, shi);
+  }
+
+  // The smallest best split of prefix i within [from, to], or -1 if none is feasible.
+  int scan(int i, int from, int to) {
+    int arg = -1;
+    double value = kInf;
+    for (int s = from; s <= to; ++s) {
+      if (score[static_cast<std::size_t>(s)] == kInf) continue;
+      const double cell = prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(s)];
+      const double candidate = score[static_cast<std::size_t>(s)] + cell * cell;
+      if (candidate < value) {
+        value = candidate;
+        arg = s;
+      }
+    }
+    if (arg >= 0) {
+      best[static_cast<std::size_t>(i)] = value;
+      choice[i] = arg;
+    }
+    return arg;
+  }
+};
+
 }  // namespace
 
 std::vector<int> partition(const std::vector<double>& costs, int cells) {
@@ -72,22 +126,22 @@ std::vector<int> partition(const std::vector<double>& costs, int cells) {
   const auto width = static_cast<std::size_t>(n + 1);
   std::vector<double> score(width, kInf), next(width);
   std::vector<int> choice(static_cast<std::size_t>(cells) * width, -1);
+  std::vector<int> window_start(width);
   score[0] = 0.0;  // zero layers in zero cells
   for (int j = 1; j <= cells; ++j) {
     std::fill(next.begin(), next.end(), kInf);
-    int lo = 0;  // smallest s with prefix[i] - prefix[s] <= limit; moves right as i grows
-    for (int i = j; i <= n - (cells - j); ++i) {
+    // Prefixes that j - 1 cells can hold form an interval [j - 1, reach].
+    int reach = j - 1;
+    while (reach + 1 <= n && score[static_cast<std::size_t>(reach + 1)] != kInf) ++reach;
+    // window_start[i]: smallest s with prefix[i] - prefix[s] <= limit; non-decreasing in i.
+    int lo = 0;
+    for (int i = 0; i <= n; ++i) {
       while (prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(lo)] > limit) ++lo;
-      for (int s = std::max(lo, j - 1); s <= i - 1; ++s) {
-        if (score[static_cast<std::size_t>(s)] == kInf) continue;
-        const double cell = prefix[static_cast<std::size_t>(i)] - prefix[static_cast<std::size_t>(s)];
-        const double value = score[static_cast<std::size_t>(s)] + cell * cell;
-        if (value < next[static_cast<std::size_t>(i)]) {
-          next[static_cast<std::size_t>(i)] = value;
-          choice[static_cast<std::size_t>(j - 1) * width + static_cast<std::size_t>(i)] = s;
-        }
-      }
+      window_start[static_cast<std::size_t>(i)] = lo;
     }
+    ChooseSplits row{prefix, score, window_start, next, &choice[static_cast<std::size_t>(j - 1) * width],
+                     j - 1, reach};
+    row.solve(j, n - (cells - j), j - 1, n - 1);
     std::swap(score, next);
   }
 
