@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch import nn
 
@@ -123,3 +124,63 @@ def test_copying_a_pipe_is_a_clear_type_error(make_pipe) -> None:
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(pipe)
     assert isinstance(pipe, gf.GPipe)
+
+
+class _BackwardThread(torch.autograd.Function):
+    """Identity that records which thread runs its backward."""
+
+    @staticmethod
+    def forward(ctx, x, log):  # type: ignore[no-untyped-def]
+        ctx.log = log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        import threading
+
+        ctx.log.append(threading.get_ident())
+        return grad, None
+
+
+class _RecordBackward(nn.Module):
+    def __init__(self, log: list[int]) -> None:
+        super().__init__()
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BackwardThread.apply(x, self.log)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_each_cells_backward_runs_on_its_worker(make_pipe, checkpoint: str) -> None:
+    import threading
+
+    first: list[int] = []
+    second: list[int] = []
+    module = nn.Sequential(nn.Linear(4, 4), _RecordBackward(first), _RecordBackward(second))
+    pipe = make_pipe(module, [2, 1], devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)
+    pipe(torch.randn(6, 4)).sum().backward()
+    assert len(first) == len(second) == 3  # one backward per micro-batch and cell
+    assert len(set(first)) == 1 and len(set(second)) == 1  # each cell on one thread...
+    assert set(first) != set(second)  # ...its own...
+    assert threading.get_ident() not in set(first) | set(second)  # ...not the caller's
+
+
+def test_missing_native_core_fails_loudly(tmp_path) -> None:
+    # The package's Python files without the compiled _C: importing must fail, naming it.
+    import shutil
+
+    import gpipe_fast
+
+    source = os.path.dirname(gpipe_fast.__file__)
+    shutil.copytree(source, tmp_path / "gpipe_fast", ignore=shutil.ignore_patterns("_C*.so"))
+    result = subprocess.run(
+        [sys.executable, "-c", "import gpipe_fast"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr
+    assert "native core (gpipe_fast._C) is missing" in result.stderr
