@@ -18,11 +18,13 @@ from gpipe_fast.balance import (
 )
 from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.gpipe import GPipe
+from gpipe_fast.memory import CellMemoryStats
 from gpipe_fast.plan import CellPlan, Plan, plan
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 __all__ = [
     "_C",
+    "CellMemoryStats",
     "CellPlan",
     "GPipe",
     "Plan",

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpipe_fast.batchnorm import DeferredBatchNorm
+from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.microbatch import Value
 from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.timeline import Timeline
@@ -154,6 +155,23 @@ class GPipe(nn.Module):
         return Timeline.from_runs(
             [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded]
         )
+
+    def memory_stats(self) -> list[CellMemoryStats]:
+        """Memory facts per cell, one dict each, in cell order:
+
+        - ``stash_bytes``: bytes of the cell inputs stashed by the steps now alive (from
+          ``pipe(x)`` until their backward has passed the cell), each storage counted once;
+          on cell 0 that is the storage of the input itself when it is already on the cell's
+          device (micro-batches are views of it).
+        - ``recompute_peak_bytes``: always None for now. The native recompute pool exists
+          (``gf._C.RecomputePool``, ``gf._C.torch_allocator_pool()``) but is not yet plugged
+          into torch's allocations: that waits for a GPU measurement showing it lowers peak
+          reserved memory or fragmentation.
+        - ``torch_peak_allocated_bytes``: ``torch.cuda.max_memory_allocated`` of the cell's
+          device (shared by the cells on one device; reset it with
+          ``torch.cuda.reset_peak_memory_stats``); None for a CPU cell.
+        """
+        return memory_stats(self._pipeline)
 
     def close(self) -> None:
         """Joins the worker threads; the pipe cannot run afterwards."""

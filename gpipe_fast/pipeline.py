@@ -19,6 +19,7 @@ thread that called backward(), where it is safe to wait for the cells' workers.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -411,6 +412,9 @@ class Pipeline:
         # recorded step's Step.spans.
         self.recording = False
         self.recorded: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = None
+        # Steps between pipe(x) and their backward, for memory_stats() (weak: a dropped output
+        # frees its step).
+        self.live_steps: weakref.WeakSet[Step] = weakref.WeakSet()
 
     def may_draw_random(self) -> bool:
         return any(
@@ -450,6 +454,8 @@ class Pipeline:
             for m in range(count)
         ]
         step = Step(self, microbatches, input_needs_grad, checkpointed, track)
+        if track:
+            self.live_steps.add(step)
         # One lock over the forward and the commit: deferred BatchNorm statistics of a step
         # run from another thread must not be folded into this one's.
         with self._run_lock:

@@ -2,9 +2,10 @@
 #include "bindings.hpp"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Native core of gpipe_fast: schedules, the executor, stream sync, partitioning.";
+  m.doc() = "Native core of gpipe_fast: schedules, executor, stream sync, partitioning, memory.";
   gpipe_fast::bindings::bind_schedule(m);
   gpipe_fast::bindings::bind_device(m);
   gpipe_fast::bindings::bind_executor(m);
   gpipe_fast::bindings::bind_partition(m);
+  gpipe_fast::bindings::bind_memory(m);  // after bind_executor: its defaults are Streams
 }

@@ -5,25 +5,13 @@
 #include <vector>
 
 #include "cuda_check.hpp"
+#include "device_guard.hpp"
 #include "gpipe_fast/device.hpp"
 
 namespace gpipe_fast {
 namespace {
 
-// Restores the caller's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    GF_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) GF_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+using detail::DeviceGuard;
 
 cudaStream_t as_cuda(const Stream& stream) {
   return reinterpret_cast<cudaStream_t>(stream.handle);
