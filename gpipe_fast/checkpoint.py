@@ -8,6 +8,16 @@ import threading
 _state = threading.local()
 
 
+def recomputed_microbatches(checkpoint: str, count: int) -> list[bool]:
+    """Which of `count` micro-batches a training step recomputes in checkpoint mode
+    `checkpoint`: all ("always"), all but the last ("except_last"; the last one's backward
+    comes first, so its activations are needed at once) or none ("never")."""
+    return [
+        checkpoint == "always" or (checkpoint == "except_last" and m < count - 1)
+        for m in range(count)
+    ]
+
+
 def is_checkpointing() -> bool:
     """True inside the forward of a micro-batch whose activations will be recomputed."""
     return getattr(_state, "checkpointing", False)

@@ -3,7 +3,7 @@
 A step is two schedules. `pipe(x)` runs the fill-drain forward (micro-batch m enters cell k
 at tick m + k); the user's `loss.backward()` runs the fill-drain backward::
 
-    forward, K=3, M=4                     backward (Recompute R precedes Backward B)
+    forward, K=3, M=4                     backward, checkpoint="always" (R: Recompute)
     tick   0   1   2   3   4   5          cell 2: R3 B3 R2 B2 R1 B1 R0 B0
     cell0  F0  F1  F2  F3                 cell 1:    R3 .. B3 R2 B2 R1 B1 R0 B0
     cell1      F0  F1  F2  F3             cell 0:       R3 .. .. B3 R2 B2 ...
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from gpipe_fast import _C
 from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats, plain_batch_norms
-from gpipe_fast.checkpoint import pass_flags
+from gpipe_fast.checkpoint import pass_flags, recomputed_microbatches
 from gpipe_fast.microbatch import Value, as_tensors, gather, like, scatter
 from gpipe_fast.randomness import TaskRandomness, draw_step_seed, may_draw_random, task_seed
 from gpipe_fast.streams import CellStreams
@@ -449,10 +449,7 @@ class Pipeline:
         )
         input_needs_grad = [track and t.requires_grad for t in given]
         count = len(microbatches)
-        checkpointed = [
-            training and (checkpoint == "always" or (checkpoint == "except_last" and m < count - 1))
-            for m in range(count)
-        ]
+        checkpointed = recomputed_microbatches(checkpoint if training else "never", count)
         step = Step(self, microbatches, input_needs_grad, checkpointed, track)
         if track:
             self.live_steps.add(step)

@@ -25,6 +25,7 @@ from gpipe_fast.balance import (
     partition,
     profile_layers,
 )
+from gpipe_fast.checkpoint import recomputed_microbatches
 from gpipe_fast.microbatch import as_tensors
 
 PLAN_COSTS = ("time", "size", "params")
@@ -113,14 +114,6 @@ def _cell_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
         sums.append(float(sum(values[start : start + size])))
         start += size
     return sums
-
-
-def _recomputed(checkpoint: str, chunks: int) -> list[bool]:
-    """Which micro-batches a GPipe with this checkpoint mode recomputes in training."""
-    return [
-        checkpoint == "always" or (checkpoint == "except_last" and m < chunks - 1)
-        for m in range(chunks)
-    ]
 
 
 def _predict_step(
@@ -212,7 +205,7 @@ def plan(
         _cell_sums(forward, balance),
         _cell_sums(backward, balance),
         chunks,
-        _recomputed(checkpoint, chunks),
+        recomputed_microbatches(checkpoint, chunks),
     )
     return Plan(
         balance=list(balance),
