@@ -1,0 +1,102 @@
+"""The engine on CUDA: exact gradients with cells sharing a GPU or on several, autocast,
+no host synchronisation in a step, and stream ordering that a device-side sleep would
+expose. Skipped without a GPU (written before one was lent: first run pending)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import assert_same_run, mlp, pipe_run, reference_run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BALANCES = {1: [6], 2: [3, 3], 4: [2, 1, 2, 1]}
+
+
+def _devices(cells: int, spread: bool) -> list[str]:
+    count = torch.cuda.device_count() if spread else 1
+    return [f"cuda:{k % count}" for k in range(cells)]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("cells", [1, 2, 4])
+@pytest.mark.parametrize("spread", [False, True], ids=["one-gpu", "all-gpus"])
+def test_matches_unpartitioned_module(make_pipe, cells: int, checkpoint: str, spread: bool) -> None:
+    if spread and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    module = mlp(3).cuda()
+    x = torch.randn(11, 6, dtype=torch.float64, device="cuda")
+    want = reference_run(module, x)
+    pipe = make_pipe(
+        module, BALANCES[cells], devices=_devices(cells, spread), chunks=4, checkpoint=checkpoint
+    )
+    assert_same_run(pipe_run(pipe, module, x), want)
+
+
+def test_bf16_autocast_matches_the_plain_module_under_autocast(make_pipe) -> None:
+    module = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    reference = [p.detach().clone().requires_grad_() for p in module.parameters()]
+    pipe = make_pipe(module, [2, 2], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint="always")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = pipe(x)
+        want = x
+        for i in range(4):
+            want = nn.functional.linear(want, reference[2 * i], reference[2 * i + 1])
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    want.float().sum().backward()
+    for got, ref in zip(module.parameters(), reference, strict=True):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=5e-2, atol=5e-2)
+
+
+def test_step_needs_no_host_synchronisation(make_pipe) -> None:
+    module = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).cuda()
+    pipe = make_pipe(module, [2, 2], devices=["cuda:0", "cuda:0"], chunks=4)
+    x = torch.randn(16, 32, device="cuda")
+    pipe(x).sum().backward()  # warm-up: lazy initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pipe(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+class _SlowDouble(nn.Module):
+    """Doubles its input after keeping its stream busy for a while: a consumer that did not
+    wait on this cell's stream would read the result before it is written."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)  # cycles: tens of milliseconds on current GPUs
+        return x * 2
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_cells_wait_for_their_producers_streams(make_pipe, checkpoint: str) -> None:
+    module = nn.Sequential(_SlowDouble(), nn.Linear(8, 8)).cuda()
+    x = torch.randn(8, 8, device="cuda", requires_grad=True)
+    pipe = make_pipe(module, [1, 1], devices=["cuda:0", "cuda:0"], chunks=4, checkpoint=checkpoint)
+    out = pipe(x)
+    want = module[1](x.detach() * 2)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, (module[1].weight.sum(0) * 2).expand_as(x))
+
+
+def test_each_cell_has_its_own_stream(make_pipe) -> None:
+    pipe = make_pipe(
+        nn.Sequential(nn.Identity(), nn.Identity(), nn.Identity()),
+        [1, 1, 1],
+        devices=["cuda:0"] * 3,
+    )
+    streams = pipe._pipeline.streams.streams
+    assert all(s is not None for s in streams)
+    assert len({s.cuda_stream for s in streams}) == 3
+    assert pipe._pipeline.executor.backend == "cuda"
+    pipe(torch.randn(4, 2, device="cuda"))
+    assert pipe._pipeline.executor.live_events == 0
