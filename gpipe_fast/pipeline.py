@@ -130,6 +130,7 @@ class Step:
         input_needs_grad: list[bool],
         checkpointed: list[bool],
         track: bool,
+        cells_learn: list[bool],
     ) -> None:
         cells, count = len(pipeline.cells), len(microbatches)
         self.pipeline = pipeline
@@ -148,9 +149,9 @@ class Step:
         # Whether the input of cell k can need a gradient: something before it learns.
         upstream = any(input_needs_grad)
         self.needs_input_grad = []
-        for cell in pipeline.cells:
+        for learns in cells_learn:
             self.needs_input_grad.append(upstream)
-            upstream = upstream or (track and any(p.requires_grad for p in cell.parameters()))
+            upstream = upstream or (track and learns)
         self.backward_done = False
         # Per cell (each slot touched only by its worker): inside a boundary copy, so that an
         # error raised there is named as the copy rather than the cell's compute.
@@ -443,14 +444,14 @@ class Pipeline:
         with torch.no_grad():
             microbatches = scatter(input, chunks)
         given = as_tensors(input, "input")
+        cells_learn = [any(p.requires_grad for p in cell.parameters()) for cell in self.cells]
         track = torch.is_grad_enabled() and (
-            any(p.requires_grad for cell in self.cells for p in cell.parameters())
-            or any(t.requires_grad for t in given)
+            any(cells_learn) or any(t.requires_grad for t in given)
         )
         input_needs_grad = [track and t.requires_grad for t in given]
         count = len(microbatches)
         checkpointed = recomputed_microbatches(checkpoint if training else "never", count)
-        step = Step(self, microbatches, input_needs_grad, checkpointed, track)
+        step = Step(self, microbatches, input_needs_grad, checkpointed, track, cells_learn)
         if track:
             self.live_steps.add(step)
         # One lock over the forward and the commit: deferred BatchNorm statistics of a step
