@@ -93,7 +93,7 @@ def _detach_to(
 ) -> tuple[Tensor, ...]:
     """The boundary crossing: the tensors on `device` as fresh autograd leaves."""
     return tuple(
-        streams.receive(tensor.detach(), device, cell).requires_grad_(grad)
+        streams.receive(tensor.detach(), device, cell, from_caller=cell == 0).requires_grad_(grad)
         for tensor, grad in zip(value, requires_grad, strict=True)
     )
 
@@ -222,7 +222,11 @@ class Step:
             if output.requires_grad and grad is not None:
                 roots.append(output)
                 self.copying[cell] = True  # as in _forward
-                root_grads.append(pipeline.streams.receive(grad, output.device, cell))
+                root_grads.append(
+                    pipeline.streams.receive(
+                        grad, output.device, cell, from_caller=cell == len(pipeline.cells) - 1
+                    )
+                )
                 self.copying[cell] = False
         if roots:
             with pipeline.streams.on(cell), torch.enable_grad():
@@ -278,6 +282,8 @@ class Step:
     def forward(self) -> list[Value]:
         pipeline = self.pipeline
         schedule = _C.gpipe_forward(len(pipeline.cells), len(self.first_inputs))
+        # Every micro-batch is a slice of the same input tensors: one is enough for devices.
+        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_inputs[0], "input"))
         pipeline.execute(schedule, self)
         if self.spans is not None:
             self.spans["forward"] = (schedule, pipeline.executor.last_spans())

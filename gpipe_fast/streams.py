@@ -1,4 +1,4 @@
-"""Each cell's stream, boundary copies onto it, and the ordering with the caller's stream."""
+"""Each cell's compute and copy streams, boundary copies, and the ordering with the caller."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ import torch
 from torch import Tensor
 
 from gpipe_fast import _C
+from gpipe_fast.copy import boundary_copy, native_stream
 
 
 class CellStreams:
-    """One compute stream per cell on CUDA (a CPU cell has none: the host runs in order).
+    """A compute stream and an inbound copy stream per CUDA cell (a CPU cell has none: the
+    host runs in order).
 
-    The executor orders cells by events recorded on these streams (device-side waits, no
-    host synchronisation); this class makes each task run on its cell's stream, copies
-    boundary tensors onto the receiving stream, and tells PyTorch's caching allocator which
+    The executor orders cells by events recorded on the compute streams (device-side waits,
+    no host synchronisation); this class makes each task run on its cell's stream, copies
+    boundary tensors into the receiving cell on its copy stream (native peer copies, peer
+    access enabled between neighbouring cells), and tells PyTorch's caching allocator which
     streams use a tensor so that no block is reused while a stream still reads it.
     """
 
@@ -26,31 +29,43 @@ class CellStreams:
         self.streams: list[Any] = [
             torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
         ]
+        self.copy_streams: list[Any] = [
+            torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
+        ]
         self.backend = "cuda" if any(s is not None for s in self.streams) else "host"
+        self.copier = _C.BoundaryCopier() if self.backend == "cuda" else None
+        # Activations go from cell k-1 to k and their gradients back: both directions.
+        for before, after in zip(self.devices, self.devices[1:], strict=False):
+            if self.copier is not None and before.type == after.type == "cuda":
+                self.copier.enable_peer_access(before.index, after.index)
+                self.copier.enable_peer_access(after.index, before.index)
 
     def native(self) -> list[Any]:
         """The streams as plain facts for the executor (device -1: a host stream)."""
-        return [
-            _C.Stream(-1, 0)
-            if stream is None
-            else _C.Stream(stream.device.index, stream.cuda_stream)
-            for stream in self.streams
-        ]
+        return [_C.Stream(-1, 0) if s is None else native_stream(s) for s in self.streams]
 
     def on(self, cell: int) -> AbstractContextManager[Any]:
         """Makes `cell`'s stream (and device) current for the task's work."""
         stream = self.streams[cell]
         return nullcontext() if stream is None else torch.cuda.stream(stream)
 
-    def receive(self, tensor: Tensor, device: torch.device, cell: int) -> Tensor:
-        """`tensor` on `device`, read or copied on `cell`'s stream."""
+    def receive(
+        self, tensor: Tensor, device: torch.device, cell: int, *, from_caller: bool = False
+    ) -> Tensor:
+        """`tensor` on `device`, ready for `cell`'s stream: a boundary tensor from another
+        cell is always copied between CUDA cells (also on one GPU, so that no cell can
+        change another's tensors in place); a tensor from the caller (the pipe's input, the
+        loss gradient) is read in place when it is already on `device`."""
         stream = self.streams[cell]
         if stream is None:
             return tensor.to(device)
-        if tensor.is_cuda:
-            tensor.record_stream(stream)  # the producer's block must outlive this stream's read
-        with torch.cuda.stream(stream):
-            return tensor.to(device, non_blocking=True)
+        if not tensor.is_cuda or (from_caller and tensor.device == device):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)  # the caller's block must outlive this stream's read
+            with torch.cuda.stream(stream):
+                return tensor.to(device, non_blocking=True)
+        assert self.copier is not None  # a CUDA cell exists
+        return boundary_copy(self.copier, tensor, device, stream, self.copy_streams[cell])
 
     def join_caller(self, device: torch.device) -> None:
         """Makes the caller's current stream on `device` wait for every cell's work there."""
@@ -62,7 +77,17 @@ class CellStreams:
                 current.wait_stream(stream)
 
     def cells_wait_caller(self) -> None:
-        """Makes every cell's stream wait for the caller's work (the incoming gradients)."""
+        """Makes every cell's stream wait for the caller's work on its device (the incoming
+        gradients of the backward)."""
         for stream in self.streams:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+    def cell_waits_caller(self, cell: int, tensors: Sequence[Tensor]) -> None:
+        """Makes `cell`'s stream wait for the caller's work so far on every device that holds
+        one of `tensors` (the pipe's input, before cell 0 reads it)."""
+        stream = self.streams[cell]
+        if stream is None:
+            return
+        for device in {t.device for t in tensors if t.is_cuda}:
+            stream.wait_stream(torch.cuda.current_stream(device))

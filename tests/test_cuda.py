@@ -100,3 +100,31 @@ def test_each_cell_has_its_own_stream(make_pipe) -> None:
     assert pipe._pipeline.executor.backend == "cuda"
     pipe(torch.randn(4, 2, device="cuda"))
     assert pipe._pipeline.executor.live_events == 0
+
+
+def test_cell_zero_waits_for_the_callers_input(make_pipe) -> None:
+    """The input is written behind a long device-side sleep on the caller's stream: a first
+    cell that did not wait for the caller would read it unwritten."""
+    module = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).cuda()
+    pipe = make_pipe(module, [1, 1], devices=["cuda:0", "cuda:0"], chunks=4)
+    source = torch.randn(32, 64, device="cuda")
+    x = torch.empty_like(source)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    x.copy_(source)
+    out = pipe(x)
+    torch.testing.assert_close(out, module(source))
+
+
+def test_boundary_copies_use_the_copy_streams_and_give_their_events_back(make_pipe) -> None:
+    module = mlp(3).cuda()
+    pipe = make_pipe(module, [2, 2, 2], devices=["cuda:0"] * 3, chunks=4, checkpoint="always")
+    streams = pipe._pipeline.streams
+    assert len({s.cuda_stream for s in streams.streams + streams.copy_streams}) == 6
+    x = torch.randn(8, 6, dtype=torch.float64, device="cuda", requires_grad=True)
+    for _ in range(3):
+        pipe(x).sum().backward()
+    assert streams.copier.live_events == 0
+    # Forward and backward crossed the boundaries through the copier, whose events are given
+    # back at once: at most one per cell's worker at a time, so the pool stays that small.
+    assert 0 < streams.copier.pooled_events <= 3

@@ -165,11 +165,13 @@ def test_fault_in_a_boundary_copy_is_named_as_such(
     real_receive = streams.receive
     order = iter(_schedule_order(phase, cell, "except_last"))
 
-    def failing_receive(tensor: torch.Tensor, device: torch.device, into: int) -> torch.Tensor:
+    def failing_receive(
+        tensor: torch.Tensor, device: torch.device, into: int, **options: bool
+    ) -> torch.Tensor:
         # Only cell `cell`'s worker takes from `order`, one micro-batch per receive, in order.
         if into == cell and next(order) == m:
             raise PlantedError(f"planted in the copy of micro-batch {m}")
-        return real_receive(tensor, device, into)
+        return real_receive(tensor, device, into, **options)
 
     with no_hang(), pytest.raises(PlantedError) as caught:
         if phase == "forward":

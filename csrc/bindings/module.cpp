@@ -2,10 +2,11 @@
 #include "bindings.hpp"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Native core of gpipe_fast: schedules, executor, stream sync, partitioning, memory.";
+  m.doc() = "Native core of gpipe_fast: schedules, executor, stream sync, partitioning, memory, boundary copies.";
   gpipe_fast::bindings::bind_schedule(m);
   gpipe_fast::bindings::bind_device(m);
   gpipe_fast::bindings::bind_executor(m);
   gpipe_fast::bindings::bind_partition(m);
   gpipe_fast::bindings::bind_memory(m);  // after bind_executor: its defaults are Streams
+  gpipe_fast::bindings::bind_copy(m);
 }
