@@ -40,7 +40,9 @@ class GPipe(nn.Module):
     recompute them in backward: "always", "except_last" (all but the last) or "never".
     The output lives on the last device; ``loss.backward()`` runs the pipelined backward and
     leaves the gradients in the module's own parameters, equal to those of the unpartitioned
-    module on the whole batch.
+    module on the whole batch. ``recompute_pool=True`` (CUDA cells; off by default until a
+    GPU measurement shows it lowers peak reserved memory) allocates what each cell's
+    re-materialisation rebuilds from a native pool of that cell's own (see memory_stats()).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class GPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        recompute_pool: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -64,6 +67,8 @@ class GPipe(nn.Module):
             raise ValueError(f"chunks must be >= 1, got {chunks}")
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if not isinstance(recompute_pool, bool):
+            raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
 
         resolved_devices = _resolve_devices(devices)
         if balance is None:
@@ -100,7 +105,9 @@ class GPipe(nn.Module):
         self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
 
         self._threads_per_cell = _default_threads_per_cell(self.devices)
-        self._pipeline = Pipeline(cells, self.devices, self._threads_per_cell)
+        self._pipeline = Pipeline(
+            cells, self.devices, self._threads_per_cell, recompute_pool=recompute_pool
+        )
         _live_pipes.add(self)
 
     @property
@@ -163,10 +170,9 @@ class GPipe(nn.Module):
           ``pipe(x)`` until their backward has passed the cell), each storage counted once;
           on cell 0 that is the storage of the input itself when it is already on the cell's
           device (micro-batches are views of it).
-        - ``recompute_peak_bytes``: always None for now. The native recompute pool exists
-          (``gf._C.RecomputePool``, ``gf._C.torch_allocator_pool()``) but is not yet plugged
-          into torch's allocations: that waits for a GPU measurement showing it lowers peak
-          reserved memory or fragmentation.
+        - ``recompute_peak_bytes``: with ``recompute_pool=True``, the highest bytes the
+          cell's re-materialisation has held from its native pool (segments PyTorch's caching
+          allocator took for that cell's MemPool); None otherwise and on CPU cells.
         - ``torch_peak_allocated_bytes``: ``torch.cuda.max_memory_allocated`` of the cell's
           device (shared by the cells on one device; reset it with
           ``torch.cuda.reset_peak_memory_stats``); None for a CPU cell.
@@ -174,7 +180,8 @@ class GPipe(nn.Module):
         return memory_stats(self._pipeline)
 
     def close(self) -> None:
-        """Joins the worker threads; the pipe cannot run afterwards."""
+        """Joins the worker threads and gives the recompute pools' memory back; the pipe
+        cannot run afterwards."""
         self._pipeline.close()
         _live_pipes.discard(self)
 

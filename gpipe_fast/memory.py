@@ -42,7 +42,11 @@ def memory_stats(pipeline: Pipeline) -> list[CellMemoryStats]:
     return [
         CellMemoryStats(
             stash_bytes=stash_bytes(steps, cell),
-            recompute_peak_bytes=None,  # the recompute pool is not plugged into torch yet
+            recompute_peak_bytes=(
+                None
+                if pipeline.recompute_memory is None
+                else pipeline.recompute_memory.peak_bytes(cell)
+            ),
             torch_peak_allocated_bytes=(
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             ),

@@ -33,6 +33,7 @@ from gpipe_fast.batchnorm import DeferredBatchNorm, frozen_running_stats, plain_
 from gpipe_fast.checkpoint import pass_flags, recomputed_microbatches
 from gpipe_fast.microbatch import Value, as_tensors, gather, like, scatter
 from gpipe_fast.randomness import TaskRandomness, draw_step_seed, may_draw_random, task_seed
+from gpipe_fast.recompute_memory import RecomputeMemory
 from gpipe_fast.streams import CellStreams
 
 _PASS_NAMES = {
@@ -209,9 +210,16 @@ class Step:
         self.outputs[cell][m] = output
 
     def _recompute(self, cell: int, m: int) -> None:
-        self.outputs[cell][m] = self._run_cell(
-            cell, m, self.inputs[cell][m], grad=True, recomputing=True
-        )
+        memory = self.pipeline.recompute_memory
+        if memory is None:
+            self.outputs[cell][m] = self._run_cell(
+                cell, m, self.inputs[cell][m], grad=True, recomputing=True
+            )
+            return
+        with memory.use(cell):
+            self.outputs[cell][m] = self._run_cell(
+                cell, m, self.inputs[cell][m], grad=True, recomputing=True
+            )
 
     def _backward(self, cell: int, m: int) -> None:
         pipeline = self.pipeline
@@ -389,10 +397,13 @@ class Pipeline:
         cells: Sequence[nn.Sequential],
         devices: Sequence[torch.device],
         threads_per_cell: int | None,
+        *,
+        recompute_pool: bool = False,
     ) -> None:
         self.cells = list(cells)
         self.devices = list(devices)
         self.streams = CellStreams(self.devices)
+        self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
         self.executor = _C.Executor(len(self.cells), self.streams.backend)
         self.executor.set_streams(self.streams.native())
         self.threads_per_cell = threads_per_cell
@@ -481,6 +492,8 @@ class Pipeline:
 
     def close(self) -> None:
         self.executor.close()
+        if self.recompute_memory is not None:
+            self.recompute_memory.close()
 
 
 def _detached(value: Value) -> Value:

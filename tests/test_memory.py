@@ -216,6 +216,30 @@ def test_torch_allocator_without_a_gpu_returns_null_and_never_throws() -> None:
     assert pool is not None and pool.stats().allocations == 0
 
 
+def test_pool_registry_routes_frees_to_the_owner_and_retires() -> None:
+    upstream = _C.SimulatedMemoryResource(64 * MiB)
+    registry = _C.PoolRegistry(upstream, MiB)
+    first, second = registry.create(), registry.create()
+    block = registry.allocate(second, 300 * KiB, STREAM_A)
+    assert registry.pool(second).stats().current_bytes == 300 * KiB
+    assert registry.pool(first).stats().current_bytes == 0
+    registry.deallocate(block, 300 * KiB, STREAM_A)
+    assert registry.pool(second).stats().current_bytes == 0
+    with pytest.raises(ValueError, match="no recompute pool handed out"):
+        registry.deallocate(block, 300 * KiB, STREAM_A)
+    assert registry.retire(second) == MiB  # its one arena goes back upstream
+    assert upstream.allocated_bytes == 0
+    with pytest.raises(ValueError, match="no recompute pool with id 5"):
+        registry.pool(5)
+
+
+@cuda_build
+def test_selecting_an_unknown_torch_allocator_pool_is_refused() -> None:
+    assert _C.select_torch_allocator_pool(0) == 0  # the default pool always exists
+    with pytest.raises(ValueError, match="no recompute pool with id"):
+        _C.select_torch_allocator_pool(_C.torch_allocator_pools().pools)
+
+
 # -- pipe.memory_stats() --------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@
 #include "bindings.hpp"
 #include "gpipe_fast/device.hpp"
 #include "gpipe_fast/memory.hpp"
+#include "gpipe_fast/pool_registry.hpp"
 
 namespace py = pybind11;
 
@@ -104,6 +105,45 @@ void bind_memory(py::module_& m) {
       },
       "(malloc, free) names of this module's extern \"C\" functions for "
       "torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, malloc, free); None without CUDA.");
+  py::class_<PoolRegistry, std::shared_ptr<PoolRegistry>>(
+      m, "PoolRegistry",
+      "Recompute pools by id over one upstream resource; each block is freed to the pool "
+      "that handed it out.")
+      .def(py::init<std::shared_ptr<MemoryResource>, std::size_t>(), py::arg("upstream"),
+           py::arg("arena_bytes") = RecomputePool::kDefaultArenaBytes)
+      .def("create", &PoolRegistry::create, "A new pool; returns its id.")
+      .def("pool", &PoolRegistry::pool, py::arg("id"), "The pool with that id.")
+      .def_property_readonly("pools", &PoolRegistry::pools)
+      .def(
+          "allocate",
+          [](PoolRegistry& r, int id, std::size_t bytes, const Stream& stream) {
+            return reinterpret_cast<std::uintptr_t>(r.allocate(id, bytes, stream));
+          },
+          py::arg("id"), py::arg("bytes"), py::arg("stream") = Stream{},
+          py::call_guard<py::gil_scoped_release>(), "Allocate from pool `id`; the address.")
+      .def(
+          "deallocate",
+          [](PoolRegistry& r, std::uintptr_t address, std::size_t bytes, const Stream& stream) {
+            r.deallocate(reinterpret_cast<void*>(address), bytes, stream);
+          },
+          py::arg("address"), py::arg("bytes"), py::arg("stream") = Stream{},
+          py::call_guard<py::gil_scoped_release>(), "Free to the pool that allocated it.")
+      .def("retire", &PoolRegistry::retire, py::arg("id"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The pool's owner is gone: give its free arenas back now, the rest when freed. "
+           "Only after the device work that used it has finished. Returns the bytes.");
+
+  m.def(
+      "torch_allocator_pools",
+      []() -> py::object {
+        const auto pools = torch_allocator_pools();
+        return pools ? py::cast(pools) : py::none();
+      },
+      "The process-wide PoolRegistry behind the torch allocator functions (pool 0 is the "
+      "default); None without CUDA.");
+  m.def("select_torch_allocator_pool", &select_torch_allocator_pool, py::arg("id"),
+        "Send this thread's allocations through the torch allocator functions to pool `id` "
+        "(0: the default); returns the previous id. RuntimeError without CUDA.");
   m.def(
       "torch_allocator_pool",
       []() -> py::object {

@@ -1,4 +1,4 @@
-// extern "C" allocate/free for torch.cuda.memory.CUDAPluggableAllocator over a RecomputePool.
+// extern "C" allocate/free for torch.cuda.memory.CUDAPluggableAllocator over per-cell pools.
 //
 // Load them from the gpipe_fast._C module (no libtorch link):
 //   allocator = torch.cuda.memory.CUDAPluggableAllocator(
@@ -19,15 +19,35 @@
 
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/memory.hpp"
+#include "gpipe_fast/pool_registry.hpp"
 
 namespace gpipe_fast {
+namespace {
 
-std::shared_ptr<RecomputePool> torch_allocator_pool() {
+// The pool this thread's allocations go to: a cell's worker selects its cell's pool around
+// a recompute; every other thread uses the default pool 0.
+thread_local int selected_pool = 0;
+
+}  // namespace
+
+std::shared_ptr<PoolRegistry> torch_allocator_pools() {
   // Created on first use and never destroyed: torch may free blocks while the process exits,
   // after static destructors (and the CUDA runtime's teardown) have run.
-  static auto* const pool = new std::shared_ptr<RecomputePool>(
-      std::make_shared<RecomputePool>(std::make_shared<CudaMemoryResource>()));
-  return *pool;
+  static auto* const pools = [] {
+    auto registry = std::make_shared<PoolRegistry>(std::make_shared<CudaMemoryResource>());
+    registry->create();  // pool 0: the default
+    return new std::shared_ptr<PoolRegistry>(std::move(registry));
+  }();
+  return *pools;
+}
+
+std::shared_ptr<RecomputePool> torch_allocator_pool() { return torch_allocator_pools()->pool(0); }
+
+int select_torch_allocator_pool(int id) {
+  torch_allocator_pools()->pool(id);  // checks the id
+  const int previous = selected_pool;
+  selected_pool = id;
+  return previous;
 }
 
 }  // namespace gpipe_fast
@@ -55,8 +75,8 @@ __attribute__((visibility("default"))) void* gpipe_fast_malloc(ssize_t size, int
                                                                cudaStream_t stream) noexcept {
   if (size <= 0) return nullptr;
   try {
-    return gpipe_fast::torch_allocator_pool()->allocate(static_cast<std::size_t>(size),
-                                                        as_stream(device, stream));
+    return gpipe_fast::torch_allocator_pools()->allocate(
+        gpipe_fast::selected_pool, static_cast<std::size_t>(size), as_stream(device, stream));
   } catch (const gpipe_fast::OutOfMemory&) {
     return nullptr;  // expected under memory pressure: torch reports it, not us
   } catch (const std::exception& error) {
@@ -71,8 +91,8 @@ __attribute__((visibility("default"))) void gpipe_fast_free(void* ptr, ssize_t s
                                                             cudaStream_t stream) noexcept {
   if (ptr == nullptr || size <= 0) return;
   try {
-    gpipe_fast::torch_allocator_pool()->deallocate(ptr, static_cast<std::size_t>(size),
-                                                   as_stream(device, stream));
+    gpipe_fast::torch_allocator_pools()->deallocate(ptr, static_cast<std::size_t>(size),
+                                                    as_stream(device, stream));
   } catch (const std::exception& error) {
     report("gpipe_fast_free", error.what());
   } catch (...) {

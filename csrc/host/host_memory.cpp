@@ -33,7 +33,9 @@ CudaMemoryResource::CudaMemoryResource(bool stream_ordered) : stream_ordered_(st
 void* CudaMemoryResource::do_allocate(std::size_t, const Stream&) { no_cuda(); }
 void CudaMemoryResource::do_deallocate(void*, std::size_t, const Stream&) { no_cuda(); }
 
+std::shared_ptr<PoolRegistry> torch_allocator_pools() { return nullptr; }
 std::shared_ptr<RecomputePool> torch_allocator_pool() { return nullptr; }
+int select_torch_allocator_pool(int) { no_cuda(); }
 #endif
 
 }  // namespace gpipe_fast

@@ -217,8 +217,16 @@ class RecomputePool final : public MemoryResource {
 inline constexpr char kTorchMallocSymbol[] = "gpipe_fast_malloc";
 inline constexpr char kTorchFreeSymbol[] = "gpipe_fast_free";
 
-// The process-wide pool (over a stream-ordered CudaMemoryResource) behind those functions,
-// created on first use; nullptr in a build without CUDA.
+class PoolRegistry;
+
+// The process-wide pools (over a stream-ordered CudaMemoryResource) behind those functions,
+// created on first use with pool 0, the default; nullptr in a build without CUDA.
+std::shared_ptr<PoolRegistry> torch_allocator_pools();
+// Pool 0 of torch_allocator_pools(); nullptr in a build without CUDA.
 std::shared_ptr<RecomputePool> torch_allocator_pool();
+// Sends the calling thread's allocations through those functions to pool `id` (0: the
+// default) and returns the previous selection; InvalidArgument for an unknown id. Throws
+// CudaError in a build without CUDA.
+int select_torch_allocator_pool(int id);
 
 }  // namespace gpipe_fast
