@@ -142,7 +142,11 @@ class GPipe(nn.Module):
 
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then
-        nothing is timed). Turning it off also forgets the recorded step."""
+        nothing is timed). Turning it off also forgets the recorded step.
+
+        CPU cells are timed on the host, CUDA cells by CUDA events on their streams (see
+        :class:`~gpipe_fast.TaskSpan`). While on, each phase reads its CUDA events when its
+        run ends, so ``pipe(x)`` and the backward return once the GPU has finished them."""
         self._pipeline.set_recording(bool(on))
 
     def timeline(self) -> Timeline:
@@ -160,7 +164,8 @@ class GPipe(nn.Module):
                 "(and its backward) first"
             )
         return Timeline.from_runs(
-            [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded]
+            [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded],
+            clocks=self._pipeline.executor.cell_clocks(),
         )
 
     def memory_stats(self) -> list[CellMemoryStats]:

@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 Phase = Literal["forward", "backward"]
 Kind = Literal["forward", "recompute", "backward", "copy"]
+# What timed a cell's tasks: the steady clock on its worker, or CUDA events on its stream.
+Clock = Literal["host", "cuda"]
+_CLOCKS: tuple[Clock, ...] = ("host", "cuda")
 
 _NS = 1e-9
 _LETTER = {"forward": "F", "recompute": "R", "backward": "B", "copy": "C"}
@@ -25,9 +28,20 @@ _COLOUR = {
 class TaskSpan:
     """One task as it ran: when it started and ended, in seconds after the step's start.
 
-    The executor times a task on its cell's worker thread, from before the Python call (its
-    wait for the GIL included) to its return; on CUDA cells that is host time (the kernel
-    launches), not the kernels' run on the GPU.
+    What the span measures depends on the cell's clock (:attr:`Timeline.clocks`):
+
+    - CPU cells ("host"): host time, the steady clock read on the cell's worker thread
+      just before the task's Python call (its wait for the GIL included) and just after it
+      returns.
+    - CUDA cells ("cuda"): GPU execution time, from CUDA timing events recorded on the
+      cell's stream just before and just after the task's Python call: from when the stream
+      reached the task (its producers' work done) to when it finished the work the task
+      enqueued, however early the call itself returned. Event times are carried onto the
+      host's steady clock through a per-device anchor (tied when recording starts, renewed
+      when older than a second), so CPU and CUDA cells share one time axis: an anchor is
+      off by at most half the host-clock bracket of its calibration (microseconds unless
+      the host thread was preempted), and one run's spans on one device keep their exact
+      order.
 
     ``task`` is the task's id in its phase's schedule (``_C.gpipe_forward`` for "forward",
     ``_C.gpipe_backward`` for "backward"). The "copy" kind is reserved for boundary copies
@@ -56,19 +70,29 @@ class Timeline:
     step's first task, so the backward's spans also contain the gap during which the
     caller's thread computed the loss and reached the pipe's backward; that gap belongs to
     no cell and is left out of :attr:`makespan` and :meth:`bubble`.
+
+    ``clocks`` names, per cell, what timed its spans (see :class:`TaskSpan`): "host" on CPU
+    cells, "cuda" (CUDA events on the cell's stream) on CUDA cells; empty when unknown.
     """
 
     cells: int
     microbatches: int
     spans: list[TaskSpan] = field(default_factory=list)
+    clocks: tuple[Clock, ...] = ()
 
     @classmethod
     def from_runs(
-        cls, runs: Sequence[tuple[Phase, Any, Iterable[tuple[int, int, int]]]]
+        cls,
+        runs: Sequence[tuple[Phase, Any, Iterable[tuple[int, int, int]]]],
+        clocks: Sequence[str] = (),
     ) -> Timeline:
-        """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``)."""
+        """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``), and
+        optionally the executor's ``cell_clocks()``."""
         if not runs:
             raise ValueError("a timeline needs at least one run")
+        cell_clocks = tuple(_clock(name) for name in clocks)
+        if cell_clocks and len(cell_clocks) != runs[0][1].cells:
+            raise ValueError(f"got {len(cell_clocks)} clocks for {runs[0][1].cells} cells")
         raw = [(phase, schedule, *span) for phase, schedule, spans in runs for span in spans]
         origin = min((start_ns for *_, start_ns, _end in raw), default=0)
         spans_out = []
@@ -87,7 +111,9 @@ class Timeline:
             )
         spans_out.sort(key=lambda s: (s.start_s, s.cell))
         first = runs[0][1]
-        return cls(cells=first.cells, microbatches=first.microbatches, spans=spans_out)
+        return cls(
+            cells=first.cells, microbatches=first.microbatches, spans=spans_out, clocks=cell_clocks
+        )
 
     # -- measures ----------------------------------------------------------------------------
 
@@ -163,6 +189,7 @@ class Timeline:
                         "kind": span.kind,
                         "phase": span.phase,
                         "task": span.task,
+                        **({"clock": self.clocks[span.cell]} if self.clocks else {}),
                     },
                 }
             )
@@ -248,3 +275,10 @@ class Timeline:
             fontsize=8,
         )
         figure.savefig(path, dpi=120)
+
+
+def _clock(name: str) -> Clock:
+    for clock in _CLOCKS:
+        if name == clock:
+            return clock
+    raise ValueError(f"a cell's clock is one of {_CLOCKS}, got {name!r}")

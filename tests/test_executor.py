@@ -68,6 +68,8 @@ def test_recording_gives_spans_that_respect_dependencies() -> None:
     for task_id, task in enumerate(schedule.tasks):
         for dep in task.deps:
             assert spans[dep][1] <= spans[task_id][0]
+    assert executor.cell_clocks() == ["host", "host"]  # the host backend: the steady clock
+    assert executor.live_timing_events == executor.pooled_timing_events == 0
     executor.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,21 @@ from helpers import Sleepy
 
 K, M = 3, 4
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
 
 def _recorded_step(
-    make_pipe: Any, model: nn.Sequential, balance: list[int], chunks: int, checkpoint: str
+    make_pipe: Any,
+    model: nn.Sequential,
+    balance: list[int],
+    chunks: int,
+    checkpoint: str,
+    devices: list[str] | None = None,
 ) -> tuple[Timeline, list[bool]]:
     """One warm-up step, then one recorded step (forward and backward)."""
-    pipe = make_pipe(
-        model, balance, devices=["cpu"] * len(balance), chunks=chunks, checkpoint=checkpoint
-    )
-    x = torch.randn(chunks * 2, 6, dtype=torch.float64, requires_grad=True)
+    devices = devices or ["cpu"] * len(balance)
+    pipe = make_pipe(model, balance, devices=devices, chunks=chunks, checkpoint=checkpoint)
+    x = torch.randn(chunks * 2, 6, dtype=torch.float64, device=devices[0], requires_grad=True)
     pipe(x).sum().backward()
     pipe.record_timeline()
     pipe(x).sum().backward()
@@ -50,13 +57,14 @@ def _mlp(layers: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)]).double()
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "always", "never"])
-def test_spans_cover_every_task_once_in_order_after_dependencies(
-    make_pipe: Any, checkpoint: str
+def _assert_spans_follow_schedules(
+    timeline: Timeline, checkpointed: list[bool], slack_s: float = 0.0
 ) -> None:
-    timeline, checkpointed = _recorded_step(make_pipe, _mlp(K), [1] * K, M, checkpoint)
-    assert (timeline.cells, timeline.microbatches) == (K, M)
-    for phase, schedule in _schedules(K, M, checkpointed).items():
+    """Every task once, with its kind, cell and micro-batch; each starts after its
+    dependencies and its cell's previous task ended (`slack_s`: allowed error between two
+    cells' clocks)."""
+    cells, chunks = timeline.cells, timeline.microbatches
+    for phase, schedule in _schedules(cells, chunks, checkpointed).items():
         spans = [s for s in timeline.spans if s.phase == phase]
         # Every task of the schedule exactly once, with its kind, cell and micro-batch.
         assert sorted(s.task for s in spans) == list(range(len(schedule.tasks)))
@@ -70,12 +78,23 @@ def test_spans_cover_every_task_once_in_order_after_dependencies(
             )
             assert span.start_s <= span.end_s
             for dep in task.deps:  # starts only after its dependencies ended
-                assert by_task[dep].end_s <= span.start_s
-        for cell in range(K):  # per cell: the schedule's order, no overlap
-            mine = sorted((s for s in spans if s.cell == cell), key=lambda s: s.start_s)
+                slack = 0.0 if by_task[dep].cell == task.cell else slack_s
+                assert by_task[dep].end_s <= span.start_s + slack
+        for cell in range(cells):  # per cell: the schedule's order, no overlap
+            mine = sorted((s for s in spans if s.cell == cell), key=lambda s: (s.start_s, s.end_s))
             assert [s.task for s in mine] == schedule.order(cell)
             for before, after in itertools.pairwise(mine):
                 assert before.end_s <= after.start_s
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always", "never"])
+def test_spans_cover_every_task_once_in_order_after_dependencies(
+    make_pipe: Any, checkpoint: str
+) -> None:
+    timeline, checkpointed = _recorded_step(make_pipe, _mlp(K), [1] * K, M, checkpoint)
+    assert (timeline.cells, timeline.microbatches) == (K, M)
+    assert timeline.clocks == ("host",) * K  # CPU cells: timed on their workers
+    _assert_spans_follow_schedules(timeline, checkpointed)
     forward_end = timeline.phase_window("forward")[1]
     assert all(s.start_s >= forward_end for s in timeline.spans if s.phase == "backward")
     assert min(s.start_s for s in timeline.spans) == 0.0
@@ -199,3 +218,164 @@ def test_plot_without_matplotlib_says_how_to_get_it(
     timeline = gf.Timeline(cells=1, microbatches=1)
     with pytest.raises(ImportError, match="pip install matplotlib"):
         timeline.plot(tmp_path / "timeline.png")
+
+
+def test_from_runs_checks_the_cells_clocks(tmp_path: Path) -> None:
+    schedule = _C.gpipe_forward(2, 1)
+    spans = [(0, 0, 10), (1, 20, 30)]
+    timeline = Timeline.from_runs([("forward", schedule, spans)], clocks=["host", "cuda"])
+    assert timeline.clocks == ("host", "cuda")
+    path = tmp_path / "mixed.trace.json"
+    timeline.to_chrome_trace(path)
+    clocks = {
+        e["tid"]: e["args"]["clock"]
+        for e in json.loads(path.read_text())["traceEvents"]
+        if e["ph"] == "X"
+    }
+    assert clocks == {0: "host", 1: "cuda"}
+    assert Timeline.from_runs([("forward", schedule, spans)]).clocks == ()
+    with pytest.raises(ValueError, match="1 clocks for 2 cells"):
+        Timeline.from_runs([("forward", schedule, spans)], clocks=["host"])
+    with pytest.raises(ValueError, match="clock"):
+        Timeline.from_runs([("forward", schedule, spans)], clocks=["host", "tpu"])
+
+
+@pytest.mark.skipif(not _C.cuda_compiled(), reason="needs a build with the CUDA backend")
+def test_cuda_backend_times_cpu_cells_on_the_host_without_cuda_calls() -> None:
+    """The cuda backend's clock with host streams (CPU cells, here without any GPU): host
+    spans as with the host backend, and not one timing event."""
+    executor = _C.Executor(2, "cuda")  # streams default to host streams
+    executor.set_recording(True)
+    assert executor.cell_clocks() == ["host", "host"]
+    schedule = _C.gpipe_forward(2, 3)
+    before = time.monotonic_ns()
+    executor.run(schedule, lambda kind, cell, m: time.sleep(0.001))
+    after = time.monotonic_ns()
+    spans = {task: (start, end) for task, start, end in executor.last_spans()}
+    assert sorted(spans) == list(range(len(schedule.tasks)))
+    for task_id, task in enumerate(schedule.tasks):
+        start, end = spans[task_id]
+        assert before <= start and end <= after  # the steady clock: time.monotonic_ns's
+        assert end - start >= 1_000_000  # the callback's sleep is inside its span
+        for dep in task.deps:
+            assert spans[dep][1] <= start
+    assert executor.live_timing_events == executor.pooled_timing_events == 0
+    assert executor.live_events == 0
+    executor.close()
+
+
+# -- CUDA cells: spans from CUDA events ------------------------------------------------------
+
+
+def _device_sleep_cycles(ms: float) -> tuple[int, float]:
+    """Cycles of torch.cuda._sleep that keep the current stream busy about `ms`, and the
+    milliseconds they took when measured by CUDA events."""
+
+    def measure(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    measure(1_000)  # warm-up: the first launch loads the kernel
+    probe = 1_000_000
+    cycles = max(probe, int(probe * ms / measure(probe)))
+    return cycles, measure(cycles)
+
+
+@needs_cuda
+def test_cuda_span_is_the_streams_time_not_the_callbacks() -> None:
+    """Two cells sharing cuda:0. Task (cell 0, micro-batch 1) enqueues a device-side sleep
+    and returns at once: its span lasts the sleep, and cell 1's consumer, whose host
+    callback runs long before the sleep ends, still starts after it on the GPU."""
+    cycles, sleep_ms = _device_sleep_cycles(50)
+    streams = [torch.cuda.Stream(0), torch.cuda.Stream(0)]
+    executor = _C.Executor(2, "cuda")
+    executor.set_streams([_C.Stream(0, s.cuda_stream) for s in streams])
+    executor.set_recording(True)
+    assert executor.cell_clocks() == ["cuda", "cuda"]
+    schedule = _C.gpipe_forward(2, 3)
+    sleeper = next(i for i, t in enumerate(schedule.tasks) if (t.cell, t.microbatch) == (0, 1))
+    host_ns: dict[int, int] = {}
+
+    def task(kind: object, cell: int, microbatch: int) -> None:
+        started = time.monotonic_ns()
+        with torch.cuda.stream(streams[cell]):
+            if (cell, microbatch) == (0, 1):
+                torch.cuda._sleep(cycles)
+            else:
+                torch.cuda._sleep(1_000)  # a little work on the stream
+        host_ns[cell * 10 + microbatch] = time.monotonic_ns() - started
+
+    pooled = []
+    for _ in range(2):
+        executor.run(schedule, task)
+        assert executor.live_timing_events == 2 * len(schedule.tasks)  # held until read
+        spans = {t: (start, end) for t, start, end in executor.last_spans()}
+        assert executor.live_timing_events == 0 and executor.live_events == 0
+        pooled.append(executor.pooled_timing_events)
+    assert pooled == [2 * len(schedule.tasks)] * 2  # the second run reused the first's
+
+    assert host_ns[1] < 0.5 * sleep_ms * 1e6  # the callback only enqueued the sleep
+    start, end = spans[sleeper]
+    assert end - start >= 0.9 * sleep_ms * 1e6
+    for task_id, t in enumerate(schedule.tasks):
+        for dep in t.deps:
+            assert spans[dep][1] <= spans[task_id][0]
+    for cell in range(2):
+        order = schedule.order(cell)
+        for before, after in itertools.pairwise(order):
+            assert spans[before][1] <= spans[after][0]
+    executor.close()
+
+
+class _DeviceSleep(nn.Module):
+    """Keeps the current stream busy for `cycles` and passes its input on."""
+
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return x * 1.0
+
+
+@needs_cuda
+def test_cuda_cells_timeline_follows_the_schedule_on_the_gpu(make_pipe: Any) -> None:
+    cycles, sleep_ms = _device_sleep_cycles(10)
+    model = nn.Sequential(_DeviceSleep(cycles), nn.Linear(6, 6), nn.Linear(6, 6)).double()
+    timeline, checkpointed = _recorded_step(
+        make_pipe, model, [1, 2], M, "except_last", devices=["cuda:0", "cuda:0"]
+    )
+    assert timeline.clocks == ("cuda", "cuda")
+    _assert_spans_follow_schedules(timeline, checkpointed)
+    sleepers = [s for s in timeline.spans if s.cell == 0 and s.kind in ("forward", "recompute")]
+    assert len(sleepers) == M + sum(checkpointed)
+    assert all(s.duration_s >= 0.9 * sleep_ms * 1e-3 for s in sleepers)
+
+
+@needs_cuda
+def test_mixed_cpu_and_cuda_cells_share_one_time_axis(make_pipe: Any) -> None:
+    """A CPU cell timed on the host feeding a CUDA cell timed by events, and back: the
+    order holds across the two clocks, up to the anchor's calibration error."""
+    timeline, checkpointed = _recorded_step(
+        make_pipe, _mlp(2), [1, 1], M, "except_last", devices=["cpu", "cuda:0"]
+    )
+    assert timeline.clocks == ("host", "cuda")
+    _assert_spans_follow_schedules(timeline, checkpointed, slack_s=200e-6)
+
+
+@needs_cuda
+def test_recording_off_creates_no_timing_events(make_pipe: Any) -> None:
+    pipe = make_pipe(_mlp(2).cuda(), [1, 1], devices=["cuda:0", "cuda:0"], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64, device="cuda", requires_grad=True)
+    pipe(x).sum().backward()
+    executor = pipe._pipeline.executor
+    assert executor.pooled_timing_events == 0 and executor.last_spans() == []
+    pipe.record_timeline()
+    pipe(x).sum().backward()
+    assert len(pipe.timeline().spans) > 0
+    assert executor.live_timing_events == 0 and executor.live_events == 0

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "bindings.hpp"
 #include "gpipe_fast/error.hpp"
@@ -52,12 +53,18 @@ std::shared_ptr<StreamSync> make_sync(const std::string& backend) {
   throw InvalidArgument("backend must be 'host' or 'cuda', got '" + backend + "'");
 }
 
+// The cuda backend's clock times CUDA cells by events and CPU cells on the host.
+std::shared_ptr<TaskClock> make_clock(const std::string& backend) {
+  return backend == "cuda" ? make_cuda_clock() : make_host_clock();
+}
+
 // Owns the native executor; joins its workers with the GIL released so that exiting
 // workers can drop their Python state.
 class PyExecutor {
  public:
   PyExecutor(int workers, const std::string& backend)
-      : executor_(std::make_unique<Executor>(workers, make_sync(backend), drop_python_state)) {}
+      : executor_(std::make_unique<Executor>(workers, make_sync(backend), drop_python_state,
+                                             make_clock(backend))) {}
 
   ~PyExecutor() { close(); }
 
@@ -185,15 +192,27 @@ void bind_executor(py::module_& m) {
       .def_property_readonly("pooled_events", [](PyExecutor& e) { return e.get().sync().pooled_events(); })
       .def("set_streams", [](PyExecutor& e, std::vector<Stream> s) { e.get().set_streams(std::move(s)); },
            py::arg("streams"), "One stream per cell for the next runs.")
+      .def_property_readonly("live_timing_events", [](PyExecutor& e) { return e.get().clock().live_events(); })
+      .def_property_readonly("pooled_timing_events", [](PyExecutor& e) { return e.get().clock().pooled_events(); })
       .def("set_recording", [](PyExecutor& e, bool on) { e.get().set_recording(on); }, py::arg("on"),
-           "Record task start/end times in the next runs.")
+           "Record task start/end times in the next runs (on CUDA cells: by CUDA events).")
+      .def("cell_clocks", [](PyExecutor& e) { return e.get().cell_clocks(); },
+           "Per cell, what times its tasks: 'host' (steady clock) or 'cuda' (CUDA events).")
       .def("last_spans",
            [](PyExecutor& e) {
+             Executor& executor = e.get();
+             std::vector<TaskSpan> spans;
+             {
+               // Waits for a CUDA run's timing events: without the GIL.
+               py::gil_scoped_release nogil;
+               spans = executor.last_spans();
+             }
              py::list out;
-             for (const auto& s : e.get().last_spans()) out.append(py::make_tuple(s.task, s.start_ns, s.end_ns));
+             for (const auto& s : spans) out.append(py::make_tuple(s.task, s.start_ns, s.end_ns));
              return out;
            },
-           "(task id, start ns, end ns) of each task of the last run, when recording.");
+           "(task id, start ns, end ns) of each task of the last run, when recording; steady "
+           "clock ns. The first read of a CUDA run waits for its timing events.");
 }
 
 }  // namespace gpipe_fast::bindings

@@ -12,12 +12,6 @@
 namespace gpipe_fast {
 namespace {
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 void name_thread(int cell) {
 #if defined(__linux__)
   const std::string name = "gpipe-cell-" + std::to_string(cell);
@@ -30,10 +24,11 @@ void name_thread(int cell) {
 }  // namespace
 
 Executor::Executor(int workers, std::shared_ptr<StreamSync> sync,
-                   std::function<void()> on_thread_exit)
-    : sync_(std::move(sync)), on_thread_exit_(std::move(on_thread_exit)) {
+                   std::function<void()> on_thread_exit, std::shared_ptr<TaskClock> clock)
+    : sync_(std::move(sync)), clock_(std::move(clock)), on_thread_exit_(std::move(on_thread_exit)) {
   GF_EXPECTS(workers >= 1, "an executor needs at least one worker, got " + std::to_string(workers));
   GF_EXPECTS(sync_ != nullptr, "an executor needs a StreamSync backend");
+  GF_EXPECTS(clock_ != nullptr, "an executor needs a TaskClock");
   streams_.resize(static_cast<std::size_t>(workers));
   threads_.reserve(static_cast<std::size_t>(workers));
   for (int cell = 0; cell < workers; ++cell) threads_.emplace_back([this, cell] { worker_main(cell); });
@@ -52,6 +47,11 @@ Executor::~Executor() {
   for (EventId event : events_) {
     if (event >= 0) sync_->release(event);
   }
+  for (const auto& span : spans_) {
+    clock_->discard(span.start);
+    clock_->discard(span.end);
+  }
+  discard_unread();
 }
 
 void Executor::set_streams(std::vector<Stream> streams) {
@@ -65,6 +65,9 @@ void Executor::set_streams(std::vector<Stream> streams) {
 
 void Executor::set_recording(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Outside a run, calibrating here keeps its cost out of the steps; during one, start()
+  // calibrates before the next run.
+  if (on && schedule_ == nullptr) clock_->calibrate(streams_);
   recording_ = on;
 }
 
@@ -82,6 +85,8 @@ void Executor::start(const Schedule& schedule, TaskFn fn) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     GF_EXPECTS(schedule_ == nullptr, "the executor is already running a schedule");
+    discard_unread();  // before calibrating: unread stamps keep a stale anchor in place
+    if (recording_) clock_->calibrate(streams_);  // a no-op while the anchors are fresh
     schedule_ = &schedule;
     fn_ = std::move(fn);
     aborted_ = false;
@@ -89,7 +94,7 @@ void Executor::start(const Schedule& schedule, TaskFn fn) {
     cells_running_ = workers();
     done_.assign(schedule.tasks().size(), 0);
     events_.assign(schedule.tasks().size(), -1);
-    spans_.assign(recording_ ? schedule.tasks().size() : 0, TaskSpan{});
+    spans_.assign(recording_ ? schedule.tasks().size() : 0, StampedSpan{});
     cell_states_.assign(threads_.size(), CellState{});
     ++generation_;
   }
@@ -119,9 +124,8 @@ void Executor::finish() {
       if (event >= 0) sync_->release(event);
     }
     events_.clear();
-    last_spans_.clear();
     for (const auto& span : spans_) {
-      if (span.task >= 0) last_spans_.push_back(span);
+      if (span.task >= 0) unread_.push_back(span);
     }
     spans_.clear();
     schedule_ = nullptr;
@@ -139,9 +143,41 @@ std::vector<CellState> Executor::cell_states() const {
   return cell_states_;
 }
 
-std::vector<TaskSpan> Executor::last_spans() const {
+std::vector<TaskSpan> Executor::last_spans() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Reading may wait for the device: never while a run is in flight.
+  GF_EXPECTS(schedule_ == nullptr, "last_spans during a run");
+  if (unread_.empty()) return last_spans_;
+  last_spans_.reserve(unread_.size());
+  try {
+    for (const auto& span : unread_) {
+      const std::int64_t start = clock_->resolve(span.start);
+      last_spans_.push_back(TaskSpan{span.task, start, clock_->resolve(span.end)});
+    }
+  } catch (...) {
+    last_spans_.clear();
+    discard_unread();  // the stamps not resolved yet; resolved ones are already released
+    throw;
+  }
+  unread_.clear();
   return last_spans_;
+}
+
+std::vector<std::string> Executor::cell_clocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> names;
+  names.reserve(streams_.size());
+  for (const Stream& stream : streams_) names.push_back(clock_->name(stream));
+  return names;
+}
+
+void Executor::discard_unread() {
+  for (const auto& span : unread_) {
+    clock_->discard(span.start);
+    clock_->discard(span.end);
+  }
+  unread_.clear();
+  last_spans_.clear();
 }
 
 std::int64_t Executor::runs() const {
@@ -182,6 +218,8 @@ void Executor::run_cell(int cell) {
   for (int id : schedule.order(cell)) {
     const Task& task = schedule.task(id);
     bool record = false;
+    Stamp start;
+    Stamp end;
     auto& state = cell_states_[static_cast<std::size_t>(cell)];
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -196,15 +234,20 @@ void Executor::run_cell(int cell) {
       for (int dep : task.deps) {
         if (schedule.task(dep).cell != cell) sync_->wait(stream, events_[static_cast<std::size_t>(dep)]);
       }
-      const std::int64_t start = record ? now_ns() : 0;
+      // Stamped after the waits and right around the callback: on a CUDA stream the span
+      // is the stream's time in the task's work, from after its producers' work on.
+      if (record) start = clock_->stamp(stream);
       fn_(task);
+      if (record) end = clock_->stamp(stream);
       const EventId event = sync_->record(stream);
       std::lock_guard<std::mutex> lock(mutex_);
       events_[static_cast<std::size_t>(id)] = event;
-      if (record) spans_[static_cast<std::size_t>(id)] = TaskSpan{id, start, now_ns()};
+      if (record) spans_[static_cast<std::size_t>(id)] = StampedSpan{id, start, end};
       done_[static_cast<std::size_t>(id)] = 1;
       state = CellState{};
     } catch (...) {
+      clock_->discard(start);  // a task that failed has no span
+      clock_->discard(end);
       std::lock_guard<std::mutex> lock(mutex_);
       if (!error_) error_ = std::current_exception();
       aborted_ = true;

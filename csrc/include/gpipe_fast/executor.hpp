@@ -8,11 +8,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gpipe_fast/device.hpp"
 #include "gpipe_fast/schedule.hpp"
+#include "gpipe_fast/task_clock.hpp"
 
 namespace gpipe_fast {
 
@@ -27,7 +29,8 @@ struct CellState {
   Phase phase = Phase::Done;
 };
 
-// Start and end of one task, in nanoseconds of the steady clock.
+// Start and end of one task, in nanoseconds of the steady clock (see TaskClock: read on the
+// worker for host streams, converted from the stream's timing events on CUDA streams).
 struct TaskSpan {
   int task = -1;
   std::int64_t start_ns = 0;
@@ -37,20 +40,24 @@ struct TaskSpan {
 class Executor {
  public:
   // `on_thread_exit` runs on each worker thread just before it ends (the bindings use it to
-  // drop the thread's Python state).
+  // drop the thread's Python state). `clock` times the tasks when recording.
   Executor(int workers, std::shared_ptr<StreamSync> sync,
-           std::function<void()> on_thread_exit = {});
+           std::function<void()> on_thread_exit = {},
+           std::shared_ptr<TaskClock> clock = make_host_clock());
   ~Executor();  // cancels a run in flight and joins the workers
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
   int workers() const { return static_cast<int>(threads_.size()); }
   const StreamSync& sync() const { return *sync_; }
+  const TaskClock& clock() const { return *clock_; }
 
   // Sets the stream each cell's tasks run on (one per cell; host backend ignores handles).
   void set_streams(std::vector<Stream> streams);
 
-  // Records task spans in the next runs when on (off by default: then nothing is timed).
+  // Records task spans in the next runs when on (off by default: then nothing is timed and
+  // the clock is never called). Switching on between runs ties the device clocks to the
+  // host clock at once, so that runs rarely have to (start() renews stale anchors).
   void set_recording(bool on);
 
   // Blocking run: start + wait + finish.
@@ -69,8 +76,12 @@ class Executor {
   // Each cell's progress in the run in flight (for a watchdog's report).
   std::vector<CellState> cell_states() const;
 
-  // Spans of the last finished run, in task-id order of the tasks that ran.
-  std::vector<TaskSpan> last_spans() const;
+  // Spans of the last finished run, in task-id order of the tasks that ran. On CUDA streams
+  // the first call waits for the run's timing events and releases them; a run whose spans
+  // are never read releases them when the next run starts. Not during a run.
+  std::vector<TaskSpan> last_spans();
+  // Per cell, the clock that times its tasks: "host" or "cuda" (TaskClock::name).
+  std::vector<std::string> cell_clocks() const;
   // Runs finished since construction (a worker-lifetime check for soak tests).
   std::int64_t runs() const;
 
@@ -78,8 +89,17 @@ class Executor {
   void worker_main(int cell);
   void run_cell(int cell);
   bool ready(const Task& task) const;  // caller holds mutex_
+  void discard_unread();                // caller holds mutex_
+
+  // A recorded task: its stamps become a TaskSpan when the spans are read.
+  struct StampedSpan {
+    int task = -1;
+    Stamp start;
+    Stamp end;
+  };
 
   std::shared_ptr<StreamSync> sync_;
+  std::shared_ptr<TaskClock> clock_;
   std::function<void()> on_thread_exit_;
   std::vector<Stream> streams_;
   bool recording_ = false;
@@ -99,7 +119,8 @@ class Executor {
   std::vector<char> done_;
   std::vector<EventId> events_;
   std::vector<CellState> cell_states_;
-  std::vector<TaskSpan> spans_;
+  std::vector<StampedSpan> spans_;   // the run in flight's, by task id
+  std::vector<StampedSpan> unread_;  // the last finished run's, until last_spans() reads them
   std::vector<TaskSpan> last_spans_;
   std::exception_ptr error_;
   std::int64_t runs_ = 0;
