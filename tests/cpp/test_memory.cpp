@@ -342,7 +342,11 @@ TEST(pool_is_thread_safe_with_four_streams) {
   const auto requests = static_cast<std::int64_t>(kMicrobatch.size());
   CHECK_EQ(stats.allocations, kThreads * kMicrobatches * requests);
   CHECK_EQ(stats.current_bytes, std::size_t{0});
-  CHECK_EQ(stats.reuses, stats.allocations - kThreads * requests);  // only micro-batch 0 carves
-  // Each stream needs at most one micro-batch's blocks: four streams, at most four arenas.
-  CHECK(stats.arenas <= kThreads);
+  // The first micro-batch carves; a stream that starts late may reuse what others released.
+  // Later a stream carves only when another has taken its released blocks while it still
+  // holds its own in use or pending: at most one micro-batch's worth per stream, twice.
+  const std::int64_t carved = stats.allocations - stats.reuses;
+  CHECK(carved >= requests);
+  CHECK(carved <= 2 * kThreads * requests);
+  CHECK(stats.arenas <= 2 * kThreads);
 }
