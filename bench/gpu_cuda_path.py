@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import faulthandler
 import gc
 import inspect
 import json
@@ -391,10 +392,10 @@ SCALES = {
             resolution=1 / 32,
             optimizer="sgd",
             memory_fraction=0.25,
-            time_box_s=150,
+            time_box_s=120,
         ),
         pool_time_box_s=45,
-        time_budget_s=330,
+        time_budget_s=300,
     ),
     "quick": Scale(
         name="quick",
@@ -1629,7 +1630,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=list(SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--quick", action="store_true", help="a much smaller sweep (~1-2 min)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a much smaller sweep (time budget 180 s instead of 300 s)",
+    )
     parser.add_argument(
         "--out", type=Path, help="JSON record (default: bench/results/gpu_cuda_path-<date>.json)"
     )
@@ -1640,6 +1645,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(default 0.25; 0.05 with --quick)",
     )
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
+    parser.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=540.0,
+        help="past this many seconds, dump every thread's stack and exit: a hang then shows "
+        "where it is before an outer time limit kills the run silently (0: off; default 540)",
+    )
     parser.add_argument(
         "--smoke-cpu",
         action="store_true",
@@ -1689,13 +1701,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         # TF32 matrix products: the tensor cores' speed for float32 models, as training uses.
         torch.set_float32_matmul_precision("high")
     ctx = Context(device=device, scale=scale, memory_fraction=fraction)
+    if args.watchdog_s > 0 and not args.smoke_cpu:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
+    try:
+        return _run_sections(args, ctx, out, list(sys.argv[1:] if argv is None else argv))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run_sections(args: argparse.Namespace, ctx: Context, out: Path, argv: list[str]) -> int:
+    """Runs the chosen sections in order, writing the record after each; 1 if any failed."""
+    device, scale, fraction = ctx.device, ctx.scale, ctx.memory_fraction
 
     record: dict[str, Any] = {
         "script": "bench/gpu_cuda_path.py",
-        "argv": list(sys.argv[1:] if argv is None else argv),
+        "argv": argv,
         "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "scale": scale.name,
         "memory_fraction": fraction,
+        "time_budget_s": scale.time_budget_s,
+        "watchdog_s": args.watchdog_s,
         "sections_requested": args.sections,
         "environment": environment(device),
         "sections": {},
