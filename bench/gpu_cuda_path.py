@@ -446,7 +446,7 @@ SCALES = {
             cells=(1, 2),
             chunks=(1, 2),
             checkpoints=("never", "always"),
-            rounds=2,
+            rounds=1,
             warmup=1,
             min_rounds=1,
             time_box_s=10,
@@ -524,6 +524,11 @@ def timed(step: Callable[[], Any], device: torch.device) -> Callable[[], float]:
     return run
 
 
+def _device_used(device: torch.device) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def peak_of(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """Runs `step` once from a clean allocator and returns its peak memory (None on CPU)."""
     release_memory(device)
@@ -540,6 +545,9 @@ def peak_of(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
         "baseline_allocated": baseline,
         "peak_allocated": torch.cuda.max_memory_allocated(device) if on_cuda else None,
         "peak_reserved": torch.cuda.max_memory_reserved(device) if on_cuda else None,
+        # The whole device's use, which also sees memory reserved outside torch's allocator
+        # (a native pool's arenas, the CUDA context); not a peak.
+        "device_used_after": _device_used(device) if on_cuda else None,
     }
     if isinstance(extra, dict):
         measured.update(extra)
@@ -1539,6 +1547,7 @@ def run_pool(ctx: Context) -> SectionOutput:
             if peak_reserved is not None and peak_allocated is not None
             else None
         )
+        used = [r["device_used_after"] for r in runs if r.get("device_used_after") is not None]
         stats = runs[-1].get("memory_stats_after_backward") if runs else None
         rebuilt = [
             c["recompute_peak_bytes"]
@@ -1553,6 +1562,7 @@ def run_pool(ctx: Context) -> SectionOutput:
             "peak_allocated": peak_allocated,
             "peak_reserved": peak_reserved,
             "reserved_minus_allocated": fragmentation,
+            "device_used_after_step": max(used) if used else None,
             "recompute_peak_bytes_max_cell": max(rebuilt) if rebuilt else None,
         }
         entries.append(entry)
@@ -1564,6 +1574,7 @@ def run_pool(ctx: Context) -> SectionOutput:
                 fmt_mib(peak_allocated),
                 fmt_mib(peak_reserved),
                 fmt_mib(fragmentation),
+                fmt_mib(entry["device_used_after_step"]),
                 fmt_mib(entry["recompute_peak_bytes_max_cell"]),
             )
         )
@@ -1575,6 +1586,7 @@ def run_pool(ctx: Context) -> SectionOutput:
             "peak allocated MiB",
             "peak reserved MiB",
             "reserved - allocated MiB",
+            "device used after step MiB",
             "recompute_peak_bytes (max cell) MiB",
         ),
         rows,
@@ -1582,7 +1594,8 @@ def run_pool(ctx: Context) -> SectionOutput:
     table += (
         f"\n\nsame model as the memory section: {cfg.blocks} x MLPBlock({cfg.width}), batch "
         f"{cfg.batch}, M={cfg.chunks}; reserved - allocated uses torch's two peaks, which may "
-        "fall at different moments of the step"
+        "fall at different moments of the step; device used = cudaMemGetInfo's total - free "
+        "after the step (the CUDA context, torch's cache and any native pool arenas)"
     )
     return SectionOutput({"config": cfg, "results": entries}, table)
 
