@@ -26,7 +26,13 @@ mode's step memory at the naive model's largest depth.
 CPU cells share one memory, so this is the total memory of all cells (the paper's
 "Pipeline-1" column, re-materialisation on one device), not memory per device.
 
+With --device cuda every cell is cuda:0 (again "Pipeline-1") and the step memory is read from
+PyTorch's caching allocator instead of the resident set: after the warm-up step the probe
+resets the peak (torch.cuda.reset_peak_memory_stats), and the step memory is
+torch.cuda.max_memory_allocated() at the end of the step minus memory_allocated() before it.
+
     python bench/side_by_side_table1.py [--budget-mib 128] [--json out.json]
+    python bench/side_by_side_table1.py --device cuda [--budget-mib 128]
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def probe(mode: str, depth: int) -> dict[str, float]:
-    """Runs in the subprocess: one training step of `depth` layers in `mode`."""
+def probe(mode: str, depth: int, device: str = "cpu") -> dict[str, float]:
+    """Runs in the subprocess: one training step of `depth` layers in `mode` on `device`."""
     import torch
     from torch import nn
 
@@ -62,22 +68,30 @@ def probe(mode: str, depth: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(depth)]
-    )
+    ).to(device)
     params = sum(p.numel() for p in model.parameters())
     if mode == "naive":
         net: nn.Module = model
     else:
         balance = [depth // CELLS + (k < depth % CELLS) for k in range(CELLS)]
-        net = gf.GPipe(model, balance, devices=["cpu"] * CELLS, chunks=CHUNKS, checkpoint=mode)
-    net(torch.randn(CHUNKS, WIDTH)).sum().backward()  # warm-up: gradients, threads
-    x = torch.randn(BATCH, WIDTH)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current VmRSS
-    baseline = _status_bytes("VmRSS:")
+        net = gf.GPipe(model, balance, devices=[device] * CELLS, chunks=CHUNKS, checkpoint=mode)
+    net(torch.randn(CHUNKS, WIDTH, device=device)).sum().backward()  # warm-up: gradients, threads
+    x = torch.randn(BATCH, WIDTH, device=device)
+    on_cuda = device != "cpu"
+    if on_cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        baseline = _status_bytes("VmRSS:")
     start = time.perf_counter()
     net(x).sum().backward()
+    if on_cuda:
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    peak = _status_bytes("VmHWM:")
+    peak = torch.cuda.max_memory_allocated(device) if on_cuda else _status_bytes("VmHWM:")
     return {
         "step_bytes": peak - baseline,
         "baseline_bytes": baseline,
@@ -86,10 +100,18 @@ def probe(mode: str, depth: int) -> dict[str, float]:
     }
 
 
-def run_probe(mode: str, depth: int) -> dict[str, float]:
+def run_probe(mode: str, depth: int, device: str = "cpu") -> dict[str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     result = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--probe", mode, str(depth)],
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--probe",
+            mode,
+            str(depth),
+            "--device",
+            device,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -101,12 +123,14 @@ def run_probe(mode: str, depth: int) -> dict[str, float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def largest_depth(mode: str, budget: int, log: dict[int, dict[str, float]]) -> int:
+def largest_depth(
+    mode: str, budget: int, log: dict[int, dict[str, float]], device: str = "cpu"
+) -> int:
     """Largest depth on the grid whose step memory is within budget (probes into log)."""
 
     def measure(depth: int) -> int:
         if depth not in log:
-            log[depth] = run_probe(mode, depth)
+            log[depth] = run_probe(mode, depth, device)
             mib = log[depth]["step_bytes"] / 2**20
             print(
                 f"  {mode:<12} depth {depth:>5}: {mib:8.1f} MiB "
@@ -159,26 +183,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-mib", type=int, default=128)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda", "cuda:0"),
+        help="cuda: all cells on cuda:0, step memory from torch.cuda's allocator statistics",
+    )
     parser.add_argument("--probe", nargs=2, metavar=("MODE", "DEPTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    device = "cpu" if args.device == "cpu" else "cuda:0"
     if args.probe:
-        print(json.dumps(probe(args.probe[0], int(args.probe[1]))))
+        print(json.dumps(probe(args.probe[0], int(args.probe[1]), device)))
         return
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "side_by_side_table1.py: --device cuda needs a CUDA GPU; none is visible",
+                file=sys.stderr,
+            )
+            sys.exit(2)
 
     budget = args.budget_mib * 2**20
     started = time.perf_counter()
     print(
         f"budget: {args.budget_mib} MiB of step memory above the model; width {WIDTH}, "
-        f"batch {BATCH}, K={CELLS}, M={CHUNKS}; load average {os.getloadavg()[0]:.1f}",
+        f"batch {BATCH}, K={CELLS}, M={CHUNKS}, cells on {device}; load average "
+        f"{os.getloadavg()[0]:.1f}",
         flush=True,
     )
     logs: dict[str, dict[int, dict[str, float]]] = {mode: {} for mode in MODES}
-    best = {mode: largest_depth(mode, budget, logs[mode]) for mode in MODES}
+    best = {mode: largest_depth(mode, budget, logs[mode], device) for mode in MODES}
     naive_depth = best["naive"]
     at_naive = {}
     for mode in MODES:
         if naive_depth and naive_depth not in logs[mode]:
-            logs[mode][naive_depth] = run_probe(mode, naive_depth)
+            logs[mode][naive_depth] = run_probe(mode, naive_depth, device)
         at_naive[mode] = logs[mode].get(naive_depth, {}).get("step_bytes", float("nan"))
 
     print(f"\nlargest depth within {args.budget_mib} MiB (grid of {GRID} layers)")
@@ -202,6 +243,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "device": device,
                     "budget_mib": args.budget_mib,
                     "largest_depth": best,
                     "probes": {m: {str(d): r for d, r in log.items()} for m, log in logs.items()},
