@@ -18,6 +18,11 @@ class DeferredBatchNorm(_BatchNorm):
     would) but accumulates them and updates the running statistics once per mini-batch,
     when the pipe calls `commit()` after the forward pass. Recomputation tracks nothing."""
 
+    # The statistics accumulated since the last commit (None: nothing yet).
+    _sum: Tensor | None = None
+    _squares: Tensor | None = None
+    _count: int = 0
+
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input, got {input.dim()}D")
@@ -36,7 +41,7 @@ class DeferredBatchNorm(_BatchNorm):
         total = values.sum(dims)
         squares = (values * values).sum(dims)
         count = input.numel() // input.size(1)
-        if getattr(self, "_sum", None) is None:
+        if self._sum is None or self._squares is None:
             self._sum, self._squares, self._count = total, squares, count
         else:
             self._sum = self._sum + total
@@ -46,7 +51,7 @@ class DeferredBatchNorm(_BatchNorm):
     @torch.no_grad()
     def commit(self) -> None:
         """Folds the accumulated mini-batch statistics into the running statistics."""
-        if getattr(self, "_sum", None) is None:
+        if self._sum is None or self._squares is None:
             return
         count = self._count
         mean = self._sum / count

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.timeline import Phase

@@ -7,7 +7,7 @@ import os
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -94,7 +94,7 @@ class GPipe(nn.Module):
         for size, device in zip(self.balance, self.devices, strict=True):
             cell = nn.Sequential(OrderedDict(named[start : start + size]))
             if deferred_batch_norm:
-                cell = DeferredBatchNorm.convert(cell)
+                cell = cast(nn.Sequential, DeferredBatchNorm.convert(cell))
             cells.append(cell.to(device))
             start += size
         _reject_shared_parameters(cells)
@@ -191,10 +191,10 @@ class GPipe(nn.Module):
         _live_pipes.discard(self)
 
     def __len__(self) -> int:
-        return sum(len(cell) for cell in self.partitions)
+        return sum(len(cell) for cell in self._pipeline.cells)
 
     def __iter__(self) -> Iterable[nn.Module]:  # type: ignore[override]
-        for cell in self.partitions:
+        for cell in self._pipeline.cells:
             yield from cell
 
     def extra_repr(self) -> str:

@@ -340,14 +340,15 @@ class _Enter(torch.autograd.Function):
         step: Step = ctx.step
         microbatch_grads = step.backward(step.exit_grads)
         ctx.step = step.exit_grads = None
-        grads = []
+        grads: list[Tensor | None] = []
         tracked = [i for i, needs in enumerate(step.input_needs_grad) if needs]
         for position, (device, dtype) in zip(tracked, ctx.input_meta, strict=True):
             pieces = [g[position] for g in microbatch_grads]
-            if any(p is None for p in pieces):
+            present = [p for p in pieces if p is not None]
+            if len(present) < len(pieces):
                 grads.append(None)
             else:
-                grads.append(torch.cat([p.to(device=device, dtype=dtype) for p in pieces]))
+                grads.append(torch.cat([p.to(device=device, dtype=dtype) for p in present]))
         return (None, None, *grads)
 
 

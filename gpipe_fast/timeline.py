@@ -135,7 +135,8 @@ class Timeline:
     def makespan(self) -> float:
         """Seconds the cells spent in the step: the forward phase's window (first task start
         to last task end) plus the backward phase's window, without the gap between them."""
-        return sum(end - start for start, end in map(self.phase_window, ("forward", "backward")))
+        phases: tuple[Phase, ...] = ("forward", "backward")
+        return sum((end - start for start, end in map(self.phase_window, phases)), 0.0)
 
     def busy(self, cell: int) -> float:
         """Seconds `cell` spent in tasks (copy spans lie inside tasks and are not added)."""
