@@ -17,6 +17,8 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 
+from helpers import RaiseInBackward
+
 
 def _load_bench() -> ModuleType:
     # By path: bench/ is not a package, and the script must not be collected as a test.
@@ -245,20 +247,9 @@ class _OutOfMemoryForward(nn.Module):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-class _FailBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, error):  # type: ignore[no-untyped-def]
-        ctx.error = error
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        raise ctx.error
-
-
 class _OutOfMemoryBackward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FailBackward.apply(x, torch.cuda.OutOfMemoryError("CUDA out of memory (bwd)"))
+        return RaiseInBackward.apply(x, torch.cuda.OutOfMemoryError("CUDA out of memory (bwd)"))
 
 
 def test_out_of_memory_is_recognised() -> None:

@@ -1,5 +1,4 @@
 // CUDA task clock: pooled timing events on the cells' streams, read against device anchors.
-#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -7,6 +6,7 @@
 
 #include "cuda_check.hpp"
 #include "device_guard.hpp"
+#include "event_pool.hpp"
 #include "gpipe_fast/clock_anchor.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/task_clock.hpp"
@@ -15,6 +15,7 @@ namespace gpipe_fast {
 namespace {
 
 using detail::DeviceGuard;
+using detail::EventPool;
 
 // Calibration samples per anchor: the tightest host bracket wins, so one sample delayed by
 // a preempted thread or a first-use stall does not set the anchor.
@@ -27,8 +28,6 @@ cudaStream_t as_cuda(const Stream& stream) {
 class CudaClock final : public TaskClock {
  public:
   ~CudaClock() override {
-    // Destroying an event the device has not reached yet is allowed: CUDA frees it later.
-    for (auto& slot : slots_) cudaEventDestroy(slot.event);
     for (auto& entry : anchors_) {
       DeviceAnchor& anchor = entry.second;
       if (anchor.event != nullptr) cudaEventDestroy(anchor.event);
@@ -49,7 +48,7 @@ class CudaClock final : public TaskClock {
       DeviceAnchor& anchor = anchors_[stream.device];
       // Unread stamps were timed against the current anchor; renewing it now would put
       // them before the new one.
-      const bool renew = anchor.tied && live_ == 0 && anchor_is_stale(anchor.tie, now);
+      const bool renew = anchor.tied && events_.live() == 0 && anchor_is_stale(anchor.tie, now);
       if (!anchor.tied || renew) tie_to_host(stream.device, anchor);
     }
   }
@@ -59,7 +58,7 @@ class CudaClock final : public TaskClock {
     DeviceGuard guard(stream.device);
     const Stamp stamp{0, acquire(stream.device)};
     try {
-      GF_CUDA_CHECK(cudaEventRecord(event_of(stamp.event), as_cuda(stream)));
+      GF_CUDA_CHECK(cudaEventRecord(events_.event(stamp.event), as_cuda(stream)));
     } catch (...) {
       discard(stamp);
       throw;
@@ -69,16 +68,13 @@ class CudaClock final : public TaskClock {
 
   std::int64_t resolve(const Stamp& stamp) override {
     if (stamp.event < 0) return stamp.ns;
-    cudaEvent_t event = nullptr;
+    cudaEvent_t event = events_.event(stamp.event);
+    const int device = events_.device(stamp.event);
     cudaEvent_t anchor_event = nullptr;
     ClockAnchor when{};
-    int device = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      const Slot& slot = live_slot(stamp.event);
-      const DeviceAnchor& anchor = anchors_.at(slot.device);
-      event = slot.event;
-      device = slot.device;
+      const DeviceAnchor& anchor = anchors_.at(device);
       anchor_event = anchor.event;
       when = anchor.tie;
     }
@@ -96,31 +92,13 @@ class CudaClock final : public TaskClock {
   }
 
   void discard(const Stamp& stamp) noexcept override {
-    if (stamp.event < 0) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto index = static_cast<std::size_t>(stamp.event);
-    if (index >= slots_.size() || !slots_[index].live) return;  // not ours, or already back
-    slots_[index].live = false;
-    free_[slots_[index].device].push_back(stamp.event);
-    --live_;
+    if (stamp.event >= 0) events_.release_if_live(stamp.event);  // not ours, or already back
   }
 
-  std::int64_t live_events() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return live_;
-  }
-  std::int64_t pooled_events() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<std::int64_t>(slots_.size());
-  }
+  std::int64_t live_events() const override { return events_.live(); }
+  std::int64_t pooled_events() const override { return events_.pooled(); }
 
  private:
-  struct Slot {
-    cudaEvent_t event;
-    int device;
-    bool live;
-  };
-
   // A device's anchor: `event` ran at host time `tie`. `probe` and `stream` (created with
   // cudaStreamNonBlocking, used by nothing else, hence idle) serve calibration.
   struct DeviceAnchor {
@@ -154,46 +132,22 @@ class CudaClock final : public TaskClock {
     }
   }
 
-  // Reuses a free timing event of that device, or creates one (current device set by the
-  // caller). Creating happens only until the pool covers a run's tasks.
+  // A timing event of that device from the pool (current device set by the caller), once
+  // the device has an anchor to read it against.
   EventId acquire(int device) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const auto anchor = anchors_.find(device);
-    GF_EXPECTS(anchor != anchors_.end() && anchor->second.tied,
-               "no clock anchor for cuda:" + std::to_string(device) +
-                   ": TaskClock::calibrate must run before stamps on it");
-    auto& free = free_[device];
-    if (!free.empty()) {
-      const EventId id = free.back();
-      free.pop_back();
-      slots_[static_cast<std::size_t>(id)].live = true;
-      ++live_;
-      return id;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto anchor = anchors_.find(device);
+      GF_EXPECTS(anchor != anchors_.end() && anchor->second.tied,
+                 "no clock anchor for cuda:" + std::to_string(device) +
+                     ": TaskClock::calibrate must run before stamps on it");
     }
-    cudaEvent_t event = nullptr;
-    GF_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDefault));  // timing enabled
-    slots_.push_back(Slot{event, device, true});
-    ++live_;
-    return static_cast<EventId>(slots_.size() - 1);
+    return events_.acquire(device);
   }
 
-  cudaEvent_t event_of(EventId id) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return live_slot(id).event;
-  }
-
-  const Slot& live_slot(EventId id) const {  // caller holds mutex_
-    GF_EXPECTS(id >= 0 && static_cast<std::size_t>(id) < slots_.size() &&
-                   slots_[static_cast<std::size_t>(id)].live,
-               "unknown or released timing event " + std::to_string(id));
-    return slots_[static_cast<std::size_t>(id)];
-  }
-
-  mutable std::mutex mutex_;
-  std::deque<Slot> slots_;  // a deque: references stay valid while other threads append
-  std::unordered_map<int, std::vector<EventId>> free_;
+  EventPool events_{cudaEventDefault};  // timing enabled
+  mutable std::mutex mutex_;            // guards anchors_
   std::unordered_map<int, DeviceAnchor> anchors_;
-  std::int64_t live_ = 0;
 };
 
 }  // namespace
