@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,12 +211,7 @@ class Step:
 
     def _recompute(self, cell: int, m: int) -> None:
         memory = self.pipeline.recompute_memory
-        if memory is None:
-            self.outputs[cell][m] = self._run_cell(
-                cell, m, self.inputs[cell][m], grad=True, recomputing=True
-            )
-            return
-        with memory.use(cell):
+        with nullcontext() if memory is None else memory.use(cell):
             self.outputs[cell][m] = self._run_cell(
                 cell, m, self.inputs[cell][m], grad=True, recomputing=True
             )
