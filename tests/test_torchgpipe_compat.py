@@ -149,6 +149,10 @@ def test_guide_device_example_trains() -> None:
         torch.testing.assert_close(got.grad, want.grad)
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2,
+    reason="the default devices are the GPUs, and 2 cells need 2 of them",
+)
 def test_guide_balance_example_takes_torchgpipes_keywords() -> None:
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(512, 10), nn.ReLU()
