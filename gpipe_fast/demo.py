@@ -8,6 +8,7 @@ import copy
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,12 @@ def _positive(text: str) -> int:
     return value
 
 
+# The defaults make each task's compute dominate eager PyTorch's per-op overhead (~10 us):
+# micro-batches of 1024 / 8 = 128 rows through Linear(512) layers are a few ms per task
+# (rows of 16 through Linear(256) were mostly overhead). 9 hidden layers give each of 2
+# cells 4 of the 512 x 512 layers, so the cells balance; a default run takes seconds.
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gpipe_fast demo",
@@ -48,14 +55,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="K, cells (default: number of GPUs, else 2 CPU cells)",
     )
-    parser.add_argument("--chunks", type=_positive, default=4, help="M, micro-batches (default 4)")
+    parser.add_argument("--chunks", type=_positive, default=8, help="M, micro-batches (default 8)")
     parser.add_argument(
         "--checkpoint", choices=["always", "except_last", "never"], default="except_last"
     )
-    parser.add_argument("--width", type=_positive, default=1024, help="hidden width (default 1024)")
-    parser.add_argument("--depth", type=_positive, default=8, help="hidden layers (default 8)")
+    parser.add_argument("--width", type=_positive, default=512, help="hidden width (default 512)")
+    parser.add_argument("--depth", type=_positive, default=9, help="hidden layers (default 9)")
     parser.add_argument(
-        "--batch", type=_positive, default=256, help="mini-batch size (default 256)"
+        "--batch", type=_positive, default=1024, help="mini-batch size (default 1024)"
     )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
@@ -218,6 +225,11 @@ def _plain_work(model: nn.Module, x: Tensor) -> float:
 # -- printing ---------------------------------------------------------------------------------
 
 
+def _say(text: str) -> None:
+    """Prints a paragraph wrapped to 100 columns, its later lines indented."""
+    print(textwrap.fill(text, 100, subsequent_indent="  ", break_long_words=False))
+
+
 def _peak_rss_mib() -> float | None:
     """The process's peak resident set size, where the platform reports it."""
     try:
@@ -232,13 +244,13 @@ def _print_setup(
     pipe: gf.GPipe, model: nn.Sequential, args: argparse.Namespace, rival: str
 ) -> None:
     threads = pipe.threads_per_cell
-    print(
+    _say(
         f"gpipe_fast demo: {len(model)} layers, {sum(p.numel() for p in model.parameters()):,} "
         f"parameters, K={len(pipe.balance)} cells {pipe.balance} on "
         f"{[str(d) for d in pipe.devices]}, M={args.chunks}, checkpoint={args.checkpoint!r}, "
         f"threads per cell: {'default' if threads is None else threads}"
     )
-    print(
+    _say(
         f"against the plain model on {rival}: same initial weights, data and optimizer, "
         f"trained in alternating blocks of {_plural(_block_steps(args.steps), 'step')}"
     )
@@ -252,7 +264,7 @@ def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> fl
     """Prints the losses and throughputs; returns gpipe_fast's throughput over the rival's."""
     drops = [t.loss_drop() for t in trainees]
     window = drops[0][2]
-    print(
+    _say(
         "loss: "
         + ", ".join(
             f"{t.name} {d[0]:.4f} -> {d[1]:.4f}" for t, d in zip(trainees, drops, strict=True)
@@ -260,7 +272,7 @@ def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> fl
         + f" (mean of the first and of the last {window} steps)"
     )
     pipe, plain = (t.throughput(batch) for t in trainees)
-    print(
+    _say(
         f"throughput: gpipe_fast {pipe:,.0f} samples/s, plain model {plain:,.0f} samples/s: "
         f"{pipe / plain:.2f}x (median of {blocks} timed blocks each)"
     )
@@ -270,7 +282,7 @@ def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> fl
 def _print_step(
     timeline: gf.Timeline, cells: Sequence[report.CellBreakdown], simulated: float
 ) -> None:
-    print(
+    _say(
         f"one step of gpipe_fast (the median of {_RECORDED_STEPS} recorded): makespan "
         f"{timeline.makespan * 1e3:.1f} ms, per cell: compute and recompute timed alone "
         f"outside the pipe; overhead, the tasks' time beyond that (the GIL, cores taken by "
@@ -278,7 +290,7 @@ def _print_step(
     )
     print(report.format_breakdown(cells))
     handoffs = report.total_share(cells, lambda c: c.handoff_s)
-    print(
+    _say(
         f"bubble: measured {timeline.bubble():.1%} of cell time (idle and hand-offs: "
         f"{timeline.bubble() - handoffs:.1%} + {handoffs:.1%}), ideal "
         f"{timeline.ideal_bubble:.1%} for K={timeline.cells}, M={timeline.microbatches} "
@@ -292,7 +304,7 @@ def _print_load(cores: int) -> None:
         return
     load = os.getloadavg()[0]
     if load >= 0.5 * cores:
-        print(
+        _say(
             f"note: load average {load:.1f} on {cores} cores when the demo started: other work "
             f"shares the cores, so these timings are noisy"
         )
@@ -332,7 +344,7 @@ def run_demo(argv: list[str]) -> int:
         _print_setup(pipe, model, args, rival)
         trainees = [
             _Trainee.sgd("gpipe_fast", pipe, args.lr),
-            _Trainee.sgd("plain", plain, args.lr),
+            _Trainee.sgd("plain model", plain, args.lr),
         ]
         blocks = _train_side_by_side(trainees, data)
         ratio = _print_training(trainees, args.batch, blocks)
@@ -349,8 +361,8 @@ def run_demo(argv: list[str]) -> int:
             cells=cells_breakdown,
             on_cpu=all(d.type == "cpu" for d in pipe.devices),
         )
-        print(comparison.work_line())
-        print(comparison.verdict())
+        _say(comparison.work_line())
+        _say(comparison.verdict())
         _write_timeline(timeline, args.out)
         _print_memory(pipe)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -301,45 +302,55 @@ class Comparison:
             f"{_ms(per_cell)} per cell"
         )
 
-    def verdict(self) -> str:
+    def _work_clause(self) -> str:
         cells = self.cells
-        losses = (
-            f"the time cells wait for each other (fill, drain, imbalance: "
-            f"{total_share(cells, lambda c: c.idle_s):.1%} of cell time), the recompute of "
-            f"checkpointed micro-batches ({total_share(cells, lambda c: c.recompute_s):.1%}) "
-            f"and the pipe's overhead ({total_share(cells, lambda c: c.overhead_s):.1%})"
+        per_cell = sum(c.compute_s + c.recompute_s for c in cells) / max(1, len(cells))
+        recompute = total_share(cells, lambda c: c.recompute_s)
+        times = per_cell / self.plain_work_s if self.plain_work_s > 0 else math.inf
+        return (
+            f"each cell's share of the work, timed alone, takes {_ms(per_cell)} ({times:.2f}x "
+            f"the plain model's {_ms(self.plain_work_s)}; the recompute of checkpointed "
+            f"micro-batches included, {recompute:.1%} of cell time)"
         )
-        why = "Pipelining pays off when a model does not fit one device"
+
+    def _pipe_clause(self) -> str:
+        idle = total_share(self.cells, lambda c: c.idle_s)
+        overhead = total_share(self.cells, lambda c: c.overhead_s)
+        return (
+            f"the time cells wait for each other (fill, drain, imbalance: {idle:.1%} of cell "
+            f"time) and overhead ({overhead:.1%})"
+        )
+
+    def verdict(self) -> str:
+        """Faster or slower, plainly, and why, from the figures printed before it."""
+        head = f"verdict: gpipe_fast is {{}} here ({self.ratio:.2f}x the plain model)"
+        work, pipe = self._work_clause(), self._pipe_clause()
+        fit = "pipelining pays off when a model does not fit one device"
         if self.ratio < 1.0:
             if self.on_cpu:
                 return (
-                    f"verdict: gpipe_fast is slower here ({self.ratio:.2f}x the plain model). "
-                    f"Its {len(cells)} cells share the cores that the plain model uses alone, "
-                    f"so a pipeline can at best match it on one CPU; it loses {losses}. "
-                    f"{why}, not as a speed-up on one CPU."
+                    f"{head.format('slower')}. Its {len(self.cells)} cells share the cores that "
+                    f"the plain model uses alone, so on one CPU a pipeline can at best match "
+                    f"it: {work}, and the pipe adds {pipe}. {fit.capitalize()}, not as a "
+                    f"speed-up on one CPU."
                 )
+            return f"{head.format('slower')}: {work}, and the pipe adds {pipe}. {fit.capitalize()}."
+        per_cell = sum(c.compute_s + c.recompute_s for c in self.cells) / max(1, len(self.cells))
+        if per_cell >= self.plain_work_s:
             return (
-                f"verdict: gpipe_fast is slower here ({self.ratio:.2f}x the plain model): it "
-                f"loses {losses}. {why}."
+                f"verdict: gpipe_fast was faster in this run ({self.ratio:.2f}x the plain "
+                f"model), but the work timed alone does not explain it: {work}. The plain model "
+                f"ran slower in training than alone, likely from other work on this machine; "
+                f"rerun with more --steps."
             )
-        per_cell = sum(c.compute_s + c.recompute_s for c in cells) / max(1, len(cells))
         if not self.on_cpu:
             return (
-                f"verdict: gpipe_fast is faster here ({self.ratio:.2f}x the plain model): its "
-                f"cells run at once on their devices, which gains more than {losses} cost."
-            )
-        if per_cell < self.plain_work_s:
-            return (
-                f"verdict: gpipe_fast is faster here ({self.ratio:.2f}x the plain model), "
-                f"despite {losses}: each cell runs whole ops on threads of its own, where the "
-                f"plain model splits every op over all cores and waits for them each time, "
-                f"which costs more on these ops (the work above: {_ms(per_cell)} per cell "
-                f"against {_ms(self.plain_work_s)}). The gain is in using the cores, not in "
-                f"pipelining: {why[0].lower() + why[1:]}."
+                f"{head.format('faster')}: {work}, the cells running at once on their devices; "
+                f"that outweighs {pipe}."
             )
         return (
-            f"verdict: gpipe_fast was faster in this run ({self.ratio:.2f}x the plain model), "
-            f"but the work timed alone does not explain it ({_ms(per_cell)} per cell against "
-            f"{_ms(self.plain_work_s)}): the plain model ran slower in training than alone, "
-            f"likely noise from other work on this machine; rerun with more --steps."
+            f"{head.format('faster')}: {work}. A cell runs whole ops on threads of its own, "
+            f"where the plain model splits every op over all cores and waits for them each time "
+            f"(the more so when other work takes the cores); that outweighs {pipe}. The gain is "
+            f"in using the cores, not in pipelining: {fit}."
         )

@@ -27,9 +27,16 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def _line(stdout: str, start: str) -> str:
-    lines = [line for line in stdout.splitlines() if line.startswith(start)]
-    assert len(lines) == 1, f"want one line starting {start!r} in:\n{stdout}"
-    return lines[0]
+    """The paragraph starting with `start`, its wrapped lines (indented) joined again."""
+    lines = stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(start)]
+    assert len(starts) == 1, f"want one line starting {start!r} in:\n{stdout}"
+    paragraph = [lines[starts[0]]]
+    for line in lines[starts[0] + 1 :]:
+        if not line.startswith("  "):
+            break
+        paragraph.append(line.strip())
+    return " ".join(paragraph)
 
 
 def _number(text: str) -> float:
@@ -41,6 +48,11 @@ def test_demo_writes_the_timeline(demo: tuple[Path, str]) -> None:
     assert str(Path("out") / "timeline.trace.json") in stdout
     events = json.loads((folder / "out" / "timeline.trace.json").read_text())["traceEvents"]
     assert any(event["ph"] == "X" for event in events)
+
+
+def test_demo_prints_lines_of_at_most_100_columns(demo: tuple[Path, str]) -> None:
+    _, stdout = demo
+    assert max(len(line) for line in stdout.splitlines()) <= 100
 
 
 def test_demo_trains_both_models_on_the_same_data(demo: tuple[Path, str]) -> None:

@@ -101,20 +101,25 @@ def _cells_of(share: dict[str, float]) -> list[report.CellBreakdown]:
 @pytest.mark.parametrize("on_cpu", [True, False])
 def test_the_verdict_says_slower_and_why_when_slower(on_cpu: bool) -> None:
     cells = _cells_of({"compute": 0.6, "recompute": 0.2, "overhead": 0.05})
-    comparison = report.Comparison(0.8, "all cores", 0.3, cells, on_cpu=on_cpu)
+    comparison = report.Comparison(0.8, "all cores", 0.4, cells, on_cpu=on_cpu)
     verdict = comparison.verdict()
-    assert "slower here (0.80x" in verdict
-    assert (
-        "imbalance: 15.0% of cell time" in verdict and "(20.0%)" in verdict and "(5.0%)" in verdict
-    )
+    assert "slower here (0.80x the plain model)" in verdict
+    # The work per cell (0.8 s) against the plain model's (0.4 s), then what the pipe adds.
+    assert "takes 800.00 ms (2.00x the plain model's 400.00 ms" in verdict
+    assert "included, 20.0% of cell time" in verdict
+    assert "imbalance: 15.0% of cell time) and overhead (5.0%)" in verdict
     assert "does not fit one device" in verdict
+    assert ("on one CPU" in verdict) == on_cpu
 
 
-def test_the_verdict_says_faster_and_why_only_when_the_work_explains_it() -> None:
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_the_verdict_says_faster_and_why_only_when_the_work_explains_it(on_cpu: bool) -> None:
     cells = _cells_of({"compute": 0.6, "recompute": 0.2, "overhead": 0.05})
-    explained = report.Comparison(1.2, "all cores", 1.5, cells, on_cpu=True).verdict()
-    assert "faster here (1.20x" in explained and "using the cores" in explained
-    unexplained = report.Comparison(1.2, "all cores", 0.5, cells, on_cpu=True).verdict()
+    explained = report.Comparison(1.2, "all cores", 1.6, cells, on_cpu=on_cpu).verdict()
+    assert "faster here (1.20x the plain model)" in explained
+    assert "(0.50x the plain model's 1600.00 ms" in explained
+    assert ("using the cores" in explained) == on_cpu
+    unexplained = report.Comparison(1.2, "all cores", 0.5, cells, on_cpu=on_cpu).verdict()
     assert "faster in this run (1.20x" in unexplained and "does not explain it" in unexplained
 
 
