@@ -109,11 +109,16 @@ def _data(steps: int, batch: int, device: torch.device) -> list[Batch]:
     return data
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _rival(devices: Sequence[torch.device]) -> str:
     """Where the plain model trains, in words."""
     if devices[0].type == "cuda":
         return f"one GPU, {devices[0]}"
-    return f"all cores, {torch.get_num_threads()} intra-op threads"
+    threads = _plural(torch.get_num_threads(), "intra-op thread")
+    return f"{_plural(_cpu_cores(), 'core')} with torch's default of {threads}"
 
 
 # -- training ---------------------------------------------------------------------------------
@@ -254,10 +259,6 @@ def _print_setup(
         f"against the plain model on {rival}: same initial weights, data and optimizer, "
         f"trained in alternating blocks of {_plural(_block_steps(args.steps), 'step')}"
     )
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> float:

@@ -29,7 +29,7 @@ class AloneCosts:
     """Seconds one cell takes on one micro-batch, timed alone outside the pipe (median)."""
 
     forward: float  # without a graph: the forward of a checkpointed micro-batch
-    forward_grad: float  # building the graph: an unchecked forward, or a recompute
+    forward_grad: float  # building the graph: a forward not checkpointed, or a recompute
     backward: float
 
     def of(self, kind: Kind, checkpointed: bool) -> float:
@@ -328,9 +328,11 @@ class Comparison:
         fit = "pipelining pays off when a model does not fit one device"
         if self.ratio < 1.0:
             if self.on_cpu:
+                count = len(self.cells)
+                sharing = "Its one cell uses" if count == 1 else f"Its {count} cells share"
                 return (
-                    f"{head.format('slower')}. Its {len(self.cells)} cells share the cores that "
-                    f"the plain model uses alone, so on one CPU a pipeline can at best match "
+                    f"{head.format('slower')}. {sharing} the cores that the plain model uses "
+                    f"alone, so on one CPU a pipeline can at best match "
                     f"it: {work}, and the pipe adds {pipe}. {fit.capitalize()}, not as a "
                     f"speed-up on one CPU."
                 )

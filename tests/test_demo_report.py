@@ -110,6 +110,7 @@ def test_the_verdict_says_slower_and_why_when_slower(on_cpu: bool) -> None:
     assert "imbalance: 15.0% of cell time) and overhead (5.0%)" in verdict
     assert "does not fit one device" in verdict
     assert ("on one CPU" in verdict) == on_cpu
+    assert ("Its one cell uses the cores" in verdict) == on_cpu  # _cells_of makes one cell
 
 
 @pytest.mark.parametrize("on_cpu", [True, False])
