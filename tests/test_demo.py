@@ -16,8 +16,8 @@ import pytest
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The folder the demo ran in, and what it printed."""
     folder = tmp_path_factory.mktemp("demo")
-    command = [sys.executable, "-m", "gpipe_fast", "demo", "--steps", "5", "--width", "16"]
-    command += ["--depth", "2", "--batch", "32", "--chunks", "4", "--out", "out"]
+    command = [sys.executable, "-m", "gpipe_fast", "demo", "--steps", "5", "--width", "32"]
+    command += ["--depth", "2", "--batch", "64", "--chunks", "4", "--lr", "1e-2", "--out", "out"]
     # From an empty folder, so the installed package is imported, not the source tree.
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=folder, check=False
@@ -63,7 +63,7 @@ def test_demo_trains_both_models_on_the_same_data(demo: tuple[Path, str]) -> Non
     pipe, plain = re.findall(r"(\d+\.\d+) -> (\d+\.\d+)", loss)
     assert float(pipe[1]) < float(pipe[0])  # the exit code says so too
     # Same weights, data and maths: the losses agree up to float rounding.
-    assert [float(v) for v in pipe] == pytest.approx([float(v) for v in plain], abs=2e-4)
+    assert [float(v) for v in pipe] == pytest.approx([float(v) for v in plain], rel=1e-3)
 
 
 def test_demo_throughput_ratio_matches_its_figures(demo: tuple[Path, str]) -> None:
