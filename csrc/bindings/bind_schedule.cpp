@@ -116,15 +116,20 @@ void bind_schedule(py::module_& m) {
       "The validated training-step schedule of a kind: gpipe | 1f1b | interleaved | zero_bubble.");
   m.def(
       "gpipe_forward",
-      [](int stages, int microbatches) { return std::make_shared<Schedule>(gpipe_forward(stages, microbatches)); },
-      py::arg("stages"), py::arg("microbatches"),
+      [](int stages, int microbatches, std::vector<int> stage_workers) {
+        return std::make_shared<Schedule>(gpipe_forward(stages, microbatches, std::move(stage_workers)));
+      },
+      py::arg("stages"), py::arg("microbatches"), py::arg("stage_workers") = std::vector<int>{},
       "GPipe fill-drain forward: micro-batch m runs stage k at tick m + k.");
   m.def(
       "gpipe_backward",
-      [](int stages, int microbatches, const std::vector<bool>& recompute) {
-        return std::make_shared<Schedule>(gpipe_backward(stages, microbatches, recompute));
+      [](int stages, int microbatches, const std::vector<bool>& recompute,
+         std::vector<int> stage_workers) {
+        return std::make_shared<Schedule>(
+            gpipe_backward(stages, microbatches, recompute, std::move(stage_workers)));
       },
       py::arg("stages"), py::arg("microbatches"), py::arg("recompute"),
+      py::arg("stage_workers") = std::vector<int>{},
       "GPipe fill-drain backward, last micro-batch first, flagged micro-batches recomputed ahead.");
 
   m.def(

@@ -317,30 +317,57 @@ Schedule make_schedule(const std::string& kind, int stages, int workers, int mic
   return schedule;
 }
 
-Schedule gpipe_forward(int stages, int microbatches) {
-  check_sizes(stages, microbatches);
-  Program program(static_cast<std::size_t>(stages));
-  for (int k = 0; k < stages; ++k) {
-    for (int m = 0; m < microbatches; ++m) program[static_cast<std::size_t>(k)].push_back({Forward, k, m});
+namespace {
+
+// Each worker's stages in increasing order (one worker per stage when `stage_worker` is empty).
+std::vector<std::vector<int>> stages_by_worker(int stages, const std::vector<int>& stage_worker) {
+  std::vector<std::vector<int>> out;
+  for (int s = 0; s < stages; ++s) {
+    const int worker = stage_worker.empty() ? s : stage_worker.at(static_cast<std::size_t>(s));
+    GF_EXPECTS(worker >= 0, "stage_worker entries must be >= 0");
+    if (out.size() <= static_cast<std::size_t>(worker)) out.resize(static_cast<std::size_t>(worker) + 1);
+    out[static_cast<std::size_t>(worker)].push_back(s);
   }
-  Schedule schedule = link(program, stages, microbatches);
+  return out;
+}
+
+}  // namespace
+
+Schedule gpipe_forward(int stages, int microbatches, std::vector<int> stage_worker) {
+  check_sizes(stages, microbatches);
+  GF_EXPECTS(stage_worker.empty() || stage_worker.size() == static_cast<std::size_t>(stages),
+             "stage_worker needs one worker per stage");
+  const auto by_worker = stages_by_worker(stages, stage_worker);
+  Program program(by_worker.size());
+  for (std::size_t w = 0; w < by_worker.size(); ++w) {
+    for (int k : by_worker[w]) {
+      for (int m = 0; m < microbatches; ++m) program[w].push_back({Forward, k, m});
+    }
+  }
+  Schedule schedule = link(program, stages, microbatches, std::move(stage_worker));
   schedule.validate();
   return schedule;
 }
 
-Schedule gpipe_backward(int stages, int microbatches, const std::vector<bool>& recompute) {
+Schedule gpipe_backward(int stages, int microbatches, const std::vector<bool>& recompute,
+                        std::vector<int> stage_worker) {
   check_sizes(stages, microbatches);
   GF_EXPECTS(recompute.size() == static_cast<std::size_t>(microbatches),
              "recompute needs one flag per micro-batch: got " + std::to_string(recompute.size()) +
                  " for " + std::to_string(microbatches));
-  Program program(static_cast<std::size_t>(stages));
-  for (int k = 0; k < stages; ++k) {
-    for (int m = microbatches - 1; m >= 0; --m) program[static_cast<std::size_t>(k)].push_back({Backward, k, m});
+  GF_EXPECTS(stage_worker.empty() || stage_worker.size() == static_cast<std::size_t>(stages),
+             "stage_worker needs one worker per stage");
+  const auto by_worker = stages_by_worker(stages, stage_worker);
+  Program program(by_worker.size());
+  for (std::size_t w = 0; w < by_worker.size(); ++w) {
+    for (auto k = by_worker[w].rbegin(); k != by_worker[w].rend(); ++k) {
+      for (int m = microbatches - 1; m >= 0; --m) program[w].push_back({Backward, *k, m});
+    }
   }
   insert_recomputes(
       program, [&](int, int m) { return static_cast<bool>(recompute[static_cast<std::size_t>(m)]); },
       true);
-  Schedule schedule = link(program, stages, microbatches, {}, {Forward, Loss});
+  Schedule schedule = link(program, stages, microbatches, std::move(stage_worker), {Forward, Loss});
   schedule.validate();
   return schedule;
 }

@@ -465,3 +465,10 @@ TEST(simulate_rejects_bad_costs) {
   CHECK_THROWS(gpipe_fast::simulate(s, nan), InvalidArgument);
   CHECK_EQ(gpipe_fast::simulate(s, std::vector<double>(n, 0.0)).makespan, 0.0);
 }
+
+TEST(schedule_phases_with_several_stages_per_worker) {
+  const Schedule forward = gpipe_fast::gpipe_forward(4, 2, {0, 1, 0, 1});
+  CHECK_EQ(show(forward), std::string("F0.0 F0.1 F2.0 F2.1 | F1.0 F1.1 F3.0 F3.1"));
+  const Schedule backward = gpipe_fast::gpipe_backward(4, 2, {true, false}, {0, 1, 0, 1});
+  CHECK_EQ(show(backward), std::string("R2.0 B2.1 B2.0 R0.0 B0.1 B0.0 | R3.0 B3.1 B3.0 R1.0 B1.1 B1.0"));
+}

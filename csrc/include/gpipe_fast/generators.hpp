@@ -62,7 +62,9 @@ Schedule make_schedule(const std::string& kind, int stages, int workers, int mic
 // The two runs of a fill-drain step driven by pipe(x) and loss.backward(): the forward
 // (micro-batch m runs stage k at tick m + k), and the backward, last micro-batch first, with a
 // Recompute for each micro-batch flagged in `recompute`, placed ahead as in add_recompute.
-Schedule gpipe_forward(int stages, int microbatches);
-Schedule gpipe_backward(int stages, int microbatches, const std::vector<bool>& recompute);
+// A worker with several stages (`stage_worker`, empty: one each) runs them in turn.
+Schedule gpipe_forward(int stages, int microbatches, std::vector<int> stage_worker = {});
+Schedule gpipe_backward(int stages, int microbatches, const std::vector<bool>& recompute,
+                        std::vector<int> stage_worker = {});
 
 }  // namespace gpipe_fast
