@@ -16,6 +16,8 @@ from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.microbatch import Value
 from gpipe_fast.pipeline import Pipeline
+from gpipe_fast.schedules import check_schedule
+from gpipe_fast.step import LossFn
 from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
@@ -43,6 +45,11 @@ class GPipe(nn.Module):
     module on the whole batch. ``recompute_pool=True`` (CUDA cells; off by default until a
     GPU measurement shows it lowers peak reserved memory) allocates what each cell's
     re-materialisation rebuilds from a native pool of that cell's own (see memory_stats()).
+
+    ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
+    "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
+    ``devices[s % len(devices)]``, V cells per device's worker) or "zero_bubble" (ZB-H1).
+    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class GPipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         recompute_pool: bool = False,
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -69,6 +77,7 @@ class GPipe(nn.Module):
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if not isinstance(recompute_pool, bool):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
+        schedule = check_schedule(schedule)
 
         resolved_devices = _resolve_devices(devices)
         if balance is None:
@@ -77,7 +86,17 @@ class GPipe(nn.Module):
             # One cell per device (by default every GPU, else one CPU cell per core).
             balance = balance_by_params(min(len(module), len(resolved_devices)), module)
         balance = _check_balance(balance, len(module))
-        if len(resolved_devices) < len(balance):
+        stage_workers = list(range(len(balance)))
+        if schedule == "interleaved":
+            workers = len(resolved_devices)
+            if len(balance) % workers != 0:
+                raise ValueError(
+                    f"balance: the interleaved schedule needs len(balance) ({len(balance)}) to "
+                    f"be a multiple of len(devices) ({workers}): V cells per device"
+                )
+            stage_workers = [k % workers for k in range(len(balance))]
+            resolved_devices = [resolved_devices[w] for w in stage_workers]
+        elif len(resolved_devices) < len(balance):
             raise ValueError(
                 f"devices: {len(balance)} cells need {len(balance)} devices, "
                 f"got {len(resolved_devices)}"
@@ -88,6 +107,7 @@ class GPipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        self.schedule = schedule
 
         named = list(module._modules.items())  # named_children() would drop a repeated layer
         cells, start = [], 0
@@ -106,7 +126,12 @@ class GPipe(nn.Module):
 
         self._threads_per_cell = _default_threads_per_cell(self.devices)
         self._pipeline = Pipeline(
-            cells, self.devices, self._threads_per_cell, recompute_pool=recompute_pool
+            cells,
+            self.devices,
+            self._threads_per_cell,
+            stage_workers=stage_workers,
+            schedule=schedule,
+            recompute_pool=recompute_pool,
         )
         _live_pipes.add(self)
 
@@ -140,6 +165,29 @@ class GPipe(nn.Module):
     def forward(self, input: Value) -> Value:  # type: ignore[override]
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
+    def train_step(
+        self, input: Value, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch in the order of ``schedule``; returns
+        the loss of the whole batch (a detached 0-dim tensor on the last cell's device).
+
+        ``target`` is split like ``input``; ``loss_fn(output, target)`` gets one
+        micro-batch of each and returns its scalar loss. With ``reduction="mean"`` (a
+        loss_fn that averages over its micro-batch) each micro-batch's loss is weighted by
+        its share of the batch; with "sum" they are added. Either way the loss and every
+        ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
+        (gradients accumulate, as backward() does: zero them between steps). The input's
+        gradient reaches ``input.grad`` when it requires one."""
+        return self._pipeline.train_step(
+            input,
+            target,
+            loss_fn,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            training=self.training,
+            reduction=reduction,
+        )
+
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then
         nothing is timed). Turning it off also forgets the recorded step.
@@ -161,11 +209,16 @@ class GPipe(nn.Module):
         if recorded is None:
             raise RuntimeError(
                 "gpipe_fast: no step has run since pipe.record_timeline(); run pipe(x) "
-                "(and its backward) first"
+                "(and its backward) or pipe.train_step(...) first"
             )
         return Timeline.from_runs(
-            [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded],
-            clocks=self._pipeline.executor.cell_clocks(),
+            [
+                (phase, *recorded[phase])
+                for phase in ("forward", "backward", "step")
+                if phase in recorded
+            ],
+            clocks=self._pipeline.executor.worker_clocks(),
+            schedule=self.schedule if "step" in recorded else "gpipe",
         )
 
     def memory_stats(self) -> list[CellMemoryStats]:
@@ -191,10 +244,10 @@ class GPipe(nn.Module):
         _live_pipes.discard(self)
 
     def __len__(self) -> int:
-        return sum(len(cell) for cell in self._pipeline.cells)
+        return sum(len(cell) for cell in self.partitions)
 
     def __iter__(self) -> Iterable[nn.Module]:  # type: ignore[override]
-        for cell in self._pipeline.cells:
+        for cell in self.partitions:
             yield from cell
 
     def extra_repr(self) -> str:
@@ -202,6 +255,7 @@ class GPipe(nn.Module):
         return (
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
+            + (f", schedule={self.schedule!r}" if self.schedule != "gpipe" else "")
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:

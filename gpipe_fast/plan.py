@@ -26,6 +26,7 @@ from gpipe_fast.balance import (
     profile_layers,
 )
 from gpipe_fast.checkpoint import recomputed_microbatches
+from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.microbatch import as_tensors
 
 PLAN_COSTS = ("time", "size", "params")
@@ -127,13 +128,13 @@ def _predict_step(
     forward_schedule = _C.gpipe_forward(cells, chunks)
     backward_schedule = _C.gpipe_backward(cells, chunks, list(recompute))
     per_task = {
-        _C.TaskKind.Forward: [f / chunks for f in forward],
-        _C.TaskKind.Recompute: [f / chunks for f in forward],
-        _C.TaskKind.Backward: [b / chunks for b in backward],
+        "forward": [f / chunks for f in forward],
+        "recompute": [f / chunks for f in forward],
+        "backward": [b / chunks for b in backward],
     }
     times, busy = [], 0.0
     for schedule in (forward_schedule, backward_schedule):
-        costs = [per_task[task.kind][task.cell] for task in schedule.tasks]
+        costs = [per_task[ACTIONS[task.action]][task.stage] for task in schedule.tasks]
         times.append(float(_C.simulate(schedule, costs).makespan))
         busy += sum(costs)
     step = times[0] + times[1]

@@ -385,7 +385,7 @@ TEST(executor_run_times_out_naming_each_stage_and_recovers) {
     message = e.what();
   }
   releaser.join();
-  CHECK(message.find("stage 0 never finished its forward of micro-batch 1") != std::string::npos);
+  CHECK(message.find("cell 0 never finished its forward of micro-batch 1") != std::string::npos);
   CHECK(message.find("no longer run") == std::string::npos);
   CHECK(!executor.abandoned());
   std::atomic<int> calls{0};
@@ -415,8 +415,8 @@ TEST(executor_abandons_a_stuck_task_and_refuses_further_runs) {
     } catch (const StepTimeout& e) {
       message = e.what();
     }
-    CHECK(message.find("stage 0 never finished its forward of micro-batch 0") != std::string::npos);
-    CHECK(message.find("stage 1 was waiting to start its forward of micro-batch 0") !=
+    CHECK(message.find("cell 0 never finished its forward of micro-batch 0") != std::string::npos);
+    CHECK(message.find("cell 1 was waiting to start its forward of micro-batch 0") !=
           std::string::npos);
     CHECK(message.find("can no longer run steps") != std::string::npos);
     CHECK(executor.abandoned());
