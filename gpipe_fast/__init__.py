@@ -1,7 +1,9 @@
 """gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime."""
 
+# Loaded first, so that a missing build fails here with advice. Private: reach it as
+# gpipe_fast._C; it is not in __all__.
 try:
-    from gpipe_fast import _C
+    from gpipe_fast import _C  # noqa: F401
 except ImportError as error:  # no silent fallback: the engine is native
     raise ImportError(
         "gpipe_fast's native core (gpipe_fast._C) is missing or failed to load. Build and "
@@ -23,7 +25,6 @@ from gpipe_fast.plan import CellPlan, Plan, plan
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 __all__ = [
-    "_C",
     "CellMemoryStats",
     "CellPlan",
     "GPipe",

@@ -56,11 +56,17 @@ def test_plan_by_time() -> None:
     module = nn.Sequential(*[Sleepy(5) for _ in range(4)], Sleepy(30))
     result = gf.plan(module, torch.randn(4, 8), 2, 4, warmup=1, repeats=3)
     assert result.balance == [4, 1] and result.unit == "s"
-    # Nothing learns, so there is no backward; the forward is ~(M + K - 1) slots of the slowest
-    # cell's 30 ms / M, pipelined behind the first cell's 20 ms / M.
+    # Nothing learns, so there is no backward. The forward is the measured cell times run
+    # through the fill-drain schedule: two cells of tasks a = c0 / M and b = c1 / M end
+    # after max(a + M b, M a + b), and the cells are busy c0 + c1 of it.
     assert result.backward_time == 0.0
-    assert result.step_time >= 0.02  # a sleep is never shorter than asked
-    assert 0.0 < result.bubble < 1.0
+    first, second = (cell.cost for cell in result.cells)
+    assert first > 0.0 and second > 0.0
+    chunks = result.chunks
+    want = max(first / chunks + second, first + second / chunks)
+    assert result.forward_time == pytest.approx(want, rel=1e-9)
+    assert result.step_time == result.forward_time
+    assert result.bubble == pytest.approx(1 - (first + second) / (2 * want), rel=1e-9)
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])

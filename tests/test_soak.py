@@ -1,12 +1,19 @@
-"""Soak: a thousand training steps leave threads, native events and memory flat after warm-up."""
+"""Soak: a thousand training steps leave threads, events, live objects and memory flat after
+warm-up; on a GPU, also the pooled CUDA events and the device's allocated memory."""
 
 from __future__ import annotations
 
 import gc
 import os
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
+
+from gpipe_fast import randomness
 
 from helpers import native_threads, no_hang
 
@@ -14,10 +21,31 @@ STEPS = 1000
 FAIL_EVERY = 100  # one step in a hundred fails in cell 1's forward: the error path leaks nothing
 MiB = 1 << 20
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _live_objects() -> Counter[str]:
+    """Python objects a leaked step would keep: tensors, gpipe_fast's own objects (steps,
+    timelines, randomness modes), and autograd contexts of custom Functions (the pipe's
+    _Enter/_Exit among them)."""
+    gc.collect()
+    counts: Counter[str] = Counter()
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, torch.Tensor):
+            counts["tensor"] += 1
+        elif issubclass(kind, torch.autograd.function.BackwardCFunction):
+            counts["autograd context"] += 1
+        else:
+            module = getattr(kind, "__module__", None)  # not always a string on odd types
+            if isinstance(module, str) and module.startswith("gpipe_fast"):
+                counts[f"{module}.{kind.__qualname__}"] += 1
+    return counts
 
 
 class _FailWhenArmed(nn.Module):
@@ -29,15 +57,18 @@ class _FailWhenArmed(nn.Module):
         return x
 
 
-def test_thousand_steps_leave_threads_events_and_memory_flat(make_pipe) -> None:
+def _soak(make_pipe: Any, device: str, snapshot: Callable[[Any], tuple[object, ...]]) -> None:
+    """Runs a hundred warm-up steps, then STEPS more (one in FAIL_EVERY failing), and checks
+    that `snapshot(executor)` and the live objects are what they were after warm-up, halfway
+    and at the end."""
     fail = _FailWhenArmed()
     model = nn.Sequential(
         nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 8), fail, nn.Tanh()
-    )
-    pipe = make_pipe(model, [3, 3], devices=["cpu"] * 2, chunks=4)  # recomputes all but one
+    ).to(device)
+    pipe = make_pipe(model, [3, 3], devices=[device] * 2, chunks=4)  # recomputes all but one
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     executor = pipe._pipeline.executor
-    x = torch.randn(16, 8)
+    x = torch.randn(16, 8, device=device)
 
     def step(i: int) -> None:
         optimizer.zero_grad()
@@ -50,22 +81,24 @@ def test_thousand_steps_leave_threads_events_and_memory_flat(make_pipe) -> None:
         assert not fail.armed
         optimizer.step()
 
-    def snapshot() -> tuple[int, int, int]:
-        return native_threads(), executor.live_events, executor.pooled_events
+    def objects_now() -> Counter[str]:
+        optimizer.zero_grad()  # a step that failed left no gradients: count none either way
+        return _live_objects()
 
     with no_hang(300):
         for i in range(100):  # warm-up: allocator pools, lazy imports, per-thread state
             step(i)
-        gc.collect()
-        settled, runs, rss_warm = snapshot(), executor.runs, _rss()
+        settled, objects = snapshot(executor), objects_now()
+        runs, rss_warm = executor.runs, _rss()
+        assert objects["tensor"] > 0  # the census sees the model's parameters and `x`
         for i in range(STEPS):
             step(i)
             if i == STEPS // 2:
-                gc.collect()
+                assert objects_now() == objects
                 rss_half = _rss()
-                assert snapshot() == settled
-        gc.collect()
-        assert snapshot() == settled  # threads (the watchdog's too), live and pooled events
+                assert snapshot(executor) == settled
+        assert objects_now() == objects  # no step, tensor or autograd context left behind
+        assert snapshot(executor) == settled
     assert executor.live_events == 0
     failed = STEPS // FAIL_EVERY
     assert executor.runs - runs == 2 * (STEPS - failed) + failed  # a failed step runs once
@@ -76,6 +109,30 @@ def test_thousand_steps_leave_threads_events_and_memory_flat(make_pipe) -> None:
     assert all(p.isfinite().all() for p in model.parameters())
 
 
+def test_thousand_steps_leave_threads_events_objects_and_memory_flat(make_pipe) -> None:
+    def snapshot(executor: Any) -> tuple[object, ...]:
+        # Threads (the watchdog's too), the host sync's live events, and the cache of random
+        # ops' generator overloads (grows only with new kinds of op, never per step).
+        cached_ops = randomness._with_generator.cache_info().currsize
+        return native_threads(), executor.live_events, cached_ops
+
+    _soak(make_pipe, "cpu", snapshot)
+
+
+@needs_cuda
+def test_thousand_steps_on_cuda_leave_pooled_events_and_device_memory_flat(make_pipe) -> None:
+    def snapshot(executor: Any) -> tuple[object, ...]:
+        torch.cuda.synchronize()
+        return (
+            native_threads(),
+            executor.live_events,
+            executor.pooled_events,  # the CUDA sync reuses its events: the pool stops growing
+            torch.cuda.memory_allocated(),
+        )
+
+    _soak(make_pipe, "cuda:0", snapshot)
+
+
 def test_thousand_forward_only_runs_under_no_grad(make_pipe) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     pipe = make_pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4)
@@ -84,11 +141,10 @@ def test_thousand_forward_only_runs_under_no_grad(make_pipe) -> None:
     with no_hang(300), torch.no_grad():
         for _ in range(100):
             pipe(x)
-        gc.collect()
-        threads, rss_warm = native_threads(), _rss()
+        threads, objects, rss_warm = native_threads(), _live_objects(), _rss()
         for _ in range(STEPS):
             pipe(x)
-        gc.collect()
         assert native_threads() == threads
+        assert _live_objects() == objects
     assert executor.live_events == 0
     assert _rss() - rss_warm < 4 * MiB

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -129,20 +130,67 @@ def test_bubble_arithmetic_on_exact_ticks() -> None:
     assert timeline.ideal_bubble == pytest.approx((cells - 1) / (chunks + cells - 1))
 
 
+class _MeetFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, meet):  # type: ignore[no-untyped-def]
+        meet.arrive("forward")
+        ctx.meet = meet
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        ctx.meet.arrive("backward")
+        return grad, None
+
+
+class _Meet(nn.Module):
+    """The only layer of cell `cell` (of two). In each phase, cell 1's task on micro-batch j
+    and cell 0's on j + 1 wait for each other at a barrier: both run at once, or the barrier
+    breaks and the step fails. Pipelining is then a fact the spans must show, not a timing."""
+
+    def __init__(self, cell: int, chunks: int, barriers: dict[str, list[threading.Barrier]]):
+        super().__init__()
+        self.cell, self.chunks, self.barriers = cell, chunks, barriers
+        self.calls = {"forward": 0, "backward": 0}
+
+    def arrive(self, phase: str) -> None:
+        n = self.calls[phase]
+        self.calls[phase] += 1
+        # Forward runs micro-batches 0..M-1, backward M-1..0, on every step.
+        microbatch = n % self.chunks if phase == "forward" else self.chunks - 1 - n % self.chunks
+        pair = microbatch - 1 if self.cell == 0 else microbatch
+        if 0 <= pair < self.chunks - 1:
+            self.barriers[phase][pair].wait(timeout=60)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MeetFunction.apply(x, self)
+
+
 def test_bubble_of_equal_cost_cells(make_pipe: Any) -> None:
-    """Layers that sleep 5 ms so timing dominates overheads. Only robust claims: with one
-    micro-batch the cells take turns, so the bubble is at least (K-1)/K by construction;
-    with 16 it is clearly smaller, and loosely near (K-1)/(M+K-1)."""
-    cells = 2
-
-    def sleepy() -> nn.Sequential:
-        return nn.Sequential(*[Sleepy(5, 5) for _ in range(cells)])
-
-    one, _ = _recorded_step(make_pipe, sleepy(), [1] * cells, 1, "never")
-    many, _ = _recorded_step(make_pipe, sleepy(), [1] * cells, 16, "never")
+    """Layers that sleep 5 ms so compute dominates overheads. With one micro-batch the cells
+    take turns, so the bubble is at least (K-1)/K by construction. With 16, cell 0's task on
+    micro-batch j + 1 meets cell 1's on j at a barrier, in both phases: the timeline must show
+    each such pair overlapping, and a smaller bubble."""
+    cells, chunks = 2, 16
+    barriers = {
+        phase: [threading.Barrier(2) for _ in range(chunks - 1)]
+        for phase in ("forward", "backward")
+    }
+    one, _ = _recorded_step(
+        make_pipe, nn.Sequential(Sleepy(5, 5), Sleepy(5, 5)), [1] * cells, 1, "never"
+    )
+    meeting = nn.Sequential(
+        *[nn.Sequential(_Meet(cell, chunks, barriers), Sleepy(5, 5)) for cell in range(cells)]
+    )
+    many, _ = _recorded_step(make_pipe, meeting, [1] * cells, chunks, "never")
     assert one.bubble() >= (cells - 1) / cells - 1e-9
+    for phase in ("forward", "backward"):
+        spans = {(s.cell, s.microbatch): s for s in many.spans if s.phase == phase}
+        for j in range(chunks - 1):
+            first, second = spans[(0, j + 1)], spans[(1, j)]
+            # Both were inside the barrier at once: each started before the other ended.
+            assert first.start_s < second.end_s and second.start_s < first.end_s, (phase, j)
     assert 0 <= many.bubble() < one.bubble()
-    assert many.bubble() <= many.ideal_bubble + 0.3
 
 
 def test_last_step_and_its_backward(make_pipe: Any) -> None:

@@ -23,10 +23,4 @@ class HostClock final : public TaskClock {
 
 std::shared_ptr<TaskClock> make_host_clock() { return std::make_shared<HostClock>(); }
 
-#ifndef GPIPE_FAST_WITH_CUDA
-std::shared_ptr<TaskClock> make_cuda_clock() {
-  throw CudaError("gpipe_fast was built without CUDA (nvcc was not found at build time)");
-}
-#endif
-
 }  // namespace gpipe_fast

@@ -3,7 +3,6 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "gpipe_fast/copy.hpp"
 #include "gpipe_fast/device.hpp"
 #include "gpipe_fast/error.hpp"
 
@@ -49,17 +48,5 @@ class HostSync final : public StreamSync {
 }  // namespace
 
 std::shared_ptr<StreamSync> make_host_sync() { return std::make_shared<HostSync>(); }
-
-#ifndef GPIPE_FAST_WITH_CUDA
-namespace {
-[[noreturn]] void no_cuda() {
-  throw CudaError("gpipe_fast was built without CUDA (nvcc was not found at build time)");
-}
-}  // namespace
-
-std::shared_ptr<StreamSync> make_cuda_sync() { no_cuda(); }
-std::shared_ptr<CopyOps> make_cuda_copy_ops() { no_cuda(); }
-bool cuda_compiled() { return false; }
-#endif
 
 }  // namespace gpipe_fast

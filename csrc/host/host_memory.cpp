@@ -1,4 +1,4 @@
-// Host memory resource (aligned new/delete), and the CUDA memory stand-ins of a host-only build.
+// Host memory resource: aligned new/delete.
 #include <new>
 #include <string>
 
@@ -19,23 +19,5 @@ void* HostMemoryResource::do_allocate(std::size_t bytes, const Stream&) {
 void HostMemoryResource::do_deallocate(void* ptr, std::size_t, const Stream&) {
   ::operator delete(ptr, std::align_val_t{kAllocationAlignment});
 }
-
-#ifndef GPIPE_FAST_WITH_CUDA
-namespace {
-[[noreturn]] void no_cuda() {
-  throw CudaError("gpipe_fast was built without CUDA (nvcc was not found at build time)");
-}
-}  // namespace
-
-CudaMemoryResource::CudaMemoryResource(bool stream_ordered) : stream_ordered_(stream_ordered) {
-  no_cuda();
-}
-void* CudaMemoryResource::do_allocate(std::size_t, const Stream&) { no_cuda(); }
-void CudaMemoryResource::do_deallocate(void*, std::size_t, const Stream&) { no_cuda(); }
-
-std::shared_ptr<PoolRegistry> torch_allocator_pools() { return nullptr; }
-std::shared_ptr<RecomputePool> torch_allocator_pool() { return nullptr; }
-int select_torch_allocator_pool(int) { no_cuda(); }
-#endif
 
 }  // namespace gpipe_fast
