@@ -380,12 +380,12 @@ std::string describe_progress(const Schedule& schedule, const std::vector<Worker
     if (state.phase == WorkerState::Phase::Done || state.task < 0) continue;
     const Task& task = schedule.task(state.task);
     if (!out.empty()) out += "; ";
-    out += "stage " + std::to_string(task.stage) +
+    out += "cell " + std::to_string(task.stage) +
            (state.phase == WorkerState::Phase::Running ? " never finished its "
                                                        : " was waiting to start its ") +
            action_info(task.action).name + " of micro-batch " + std::to_string(task.microbatch);
   }
-  return out.empty() ? "every stage had finished its tasks" : out;
+  return out.empty() ? "every cell had finished its tasks" : out;
 }
 
 }  // namespace gpipe_fast

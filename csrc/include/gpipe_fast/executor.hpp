@@ -108,8 +108,9 @@ class Executor {
   std::vector<std::thread> threads_;
 };
 
-// "stage 1 never finished its forward of micro-batch 3; stage 0 was waiting to start its
-// backward of micro-batch 2": what each worker was doing, for a timeout's message.
+// "cell 1 never finished its forward of micro-batch 3; cell 0 was waiting to start its
+// backward of micro-batch 2": what each worker was doing, for a timeout's message. (A cell
+// is a stage: GPipe's name for it.)
 std::string describe_progress(const Schedule& schedule, const std::vector<WorkerState>& states);
 
 }  // namespace gpipe_fast
