@@ -176,13 +176,14 @@ class Pipeline:
         schedule, flags = self.schedules.train_step(count, checkpoint if training else "never")
         input_needs_grad = [t.requires_grad for t in given]
         step = Step(self, microbatches, input_needs_grad, flags, True, split=self.kind == "zero_bubble")
-        step.loss_fn = loss_fn
-        step.targets = targets
+        context = step.context
+        context.loss_fn = loss_fn
+        context.targets = targets
         sizes = split_sizes(batch_size(given, "input"), chunks)
         total = sum(sizes)
-        step.loss_weights = [n / total for n in sizes] if reduction == "mean" else [1.0] * count
+        context.loss_weights = [n / total for n in sizes] if reduction == "mean" else [1.0] * count
         loss = self._committed(lambda: step.train(schedule))
-        _accumulate_input_grads(given, input_needs_grad, step.input_grads)
+        _accumulate_input_grads(given, input_needs_grad, context.input_grads)
         return loss  # type: ignore[no-any-return]
 
     def close(self) -> None:

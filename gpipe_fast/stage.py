@@ -14,7 +14,7 @@ from gpipe_fast.microbatch import Value, as_tensors, like
 from gpipe_fast.transport import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
-    from gpipe_fast.step import Step
+    from gpipe_fast.step import StepContext
 
 
 def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -46,11 +46,11 @@ def _aligned(tensors: Sequence[Tensor], wanted: Sequence[Tensor], got: Sequence[
 
 
 class Stage:
-    """Stage `cell.index` of `step`. The executor calls one method per task, named as the
-    task's action; each reads what it needs from the step's transport or its own buffers and
-    leaves what the next action needs there."""
+    """Stage `cell.index` of one step (whose shared state is `step`). The executor calls one
+    method per task, named as the task's action; each reads what it needs from the step's
+    transport or its own buffers and leaves what the next action needs there."""
 
-    def __init__(self, cell: Cell, step: Step, last: bool) -> None:
+    def __init__(self, cell: Cell, step: StepContext, last: bool) -> None:
         self.cell = cell
         self.step = step
         self.index = cell.index

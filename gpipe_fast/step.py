@@ -39,24 +39,22 @@ def _missing_action(name: str, stage: int) -> Callable[[int], None]:
     return run
 
 
-class Step:
-    """A mini-batch between its first and last task. `checkpointed[k][m]`: stage k drops
-    micro-batch m's activations in forward and recomputes them; `split`: backward runs as
-    input and weight halves (zero bubble); `track`: a graph is recorded for backward."""
+class StepContext:
+    """What a step's stages share: its settings, its transport, and what comes back out (the
+    losses, the input's gradient). It holds no stage, so that a step's objects form no
+    reference cycle and go as soon as the step's output is dropped."""
 
     def __init__(
         self,
         pipeline: Pipeline,
-        microbatches: Sequence[Value],
+        count: int,
         input_needs_grad: Sequence[bool],
         checkpointed: Sequence[Sequence[bool]],
         track: bool,
-        *,
-        split: bool = False,
+        split: bool,
     ) -> None:
         self.pipeline = pipeline
-        self.count = len(microbatches)
-        self.first_inputs = list(microbatches)
+        self.count = count
         self.input_needs_grad = list(input_needs_grad)
         self.checkpointed = checkpointed
         self.track = track
@@ -64,34 +62,18 @@ class Step:
         self.seed = draw_step_seed() if pipeline.may_draw_random() else 0
         self.autocast = AutocastState.capture()
         self.transport = LocalTransport(pipeline.streams, pipeline.devices)
-        cells = pipeline.cells
-        self.stages = [Stage(cell, self, last=k == len(cells) - 1) for k, cell in enumerate(cells)]
-        # The dispatch table: handlers[action id][stage] is that stage's method for it.
-        self.handlers = [
-            [getattr(stage, name, None) or _missing_action(name, stage.index) for stage in self.stages]
-            for name in ACTIONS
-        ]
         # Whether the input of stage k can need a gradient: something before it learns.
         upstream = any(input_needs_grad)
         self.needs_input_grad = []
-        for cell in cells:
+        for cell in pipeline.cells:
             self.needs_input_grad.append(upstream)
             upstream = upstream or (track and cell.learns)
-        self.input_grads: list[Any] = [None] * self.count
+        self.input_grads: list[Any] = [None] * count
         # Filled by train_step: the loss function, targets per micro-batch, their weights.
         self.loss_fn: LossFn | None = None
         self.targets: list[Any] = []
         self.loss_weights: list[float] = []
-        self.losses: list[Tensor | None] = [None] * self.count
-        self.backward_done = False
-        self.gathered: tuple[Tensor, ...] = ()
-        self.exit_grads: Any = None
-        # Recording: phase -> (schedule, the executor's spans of its run); None when off.
-        self.spans: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = (
-            {} if pipeline.recording else None
-        )
-        for m, value in enumerate(self.first_inputs):
-            self.transport.deliver(ACTIVATION, 0, m, value)
+        self.losses: list[Tensor | None] = [None] * count
 
     def input_grad_flags(self, stage: int, tensors: Sequence[Tensor]) -> list[bool]:
         if stage == 0:
@@ -109,6 +91,51 @@ class Step:
             if isinstance(target, tuple):
                 return tuple(t.to(device, non_blocking=True) if isinstance(t, Tensor) else t for t in target)
             return target
+
+
+class Step:
+    """A mini-batch between its first and last task. `checkpointed[k][m]`: stage k drops
+    micro-batch m's activations in forward and recomputes them; `split`: backward runs as
+    input and weight halves (zero bubble); `track`: a graph is recorded for backward."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        microbatches: Sequence[Value],
+        input_needs_grad: Sequence[bool],
+        checkpointed: Sequence[Sequence[bool]],
+        track: bool,
+        *,
+        split: bool = False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.count = len(microbatches)
+        self.first_input = microbatches[0]
+        self.track = track
+        self.checkpointed = checkpointed
+        self.context = StepContext(pipeline, self.count, input_needs_grad, checkpointed, track, split)
+        cells = pipeline.cells
+        self.stages = [
+            Stage(cell, self.context, last=k == len(cells) - 1) for k, cell in enumerate(cells)
+        ]
+        # The dispatch table: handlers[action id][stage] is that stage's method for it.
+        self.handlers = [
+            [getattr(stage, name, None) or _missing_action(name, stage.index) for stage in self.stages]
+            for name in ACTIONS
+        ]
+        self.backward_done = False
+        self.gathered: tuple[Tensor, ...] = ()
+        self.exit_grads: Any = None
+        # Recording: phase -> (schedule, the executor's spans of its run); None when off.
+        self.spans: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = (
+            {} if pipeline.recording else None
+        )
+        for m, value in enumerate(microbatches):
+            self.context.transport.deliver(ACTIVATION, 0, m, value)
+
+    @property
+    def input_needs_grad(self) -> list[bool]:
+        return self.context.input_needs_grad
 
     # -- the executor's callback: runs on the stage's worker thread ------------------------
 
@@ -128,7 +155,7 @@ class Step:
         pipeline = self.pipeline
         schedule = pipeline.schedules.forward(self.count)
         # Every micro-batch is a slice of the same input tensors: one is enough for devices.
-        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_inputs[0], "input"))
+        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
         pipeline.execute(schedule, self, "forward")
         last = self.stages[-1]
         outputs = list(last.outputs)
@@ -151,21 +178,21 @@ class Step:
         pipeline = self.pipeline
         last = len(self.stages) - 1
         for m, grad in enumerate(grads):
-            self.transport.deliver(GRADIENT, last, m, grad)
+            self.context.transport.deliver(GRADIENT, last, m, grad)
         flags = tuple(self.checkpointed[0])  # the phase path checkpoints alike on every stage
         schedule = pipeline.schedules.backward(flags)
         pipeline.streams.cells_wait_caller()
         pipeline.execute(schedule, self, "backward")
         pipeline.streams.join_caller(pipeline.devices[0])
-        return self.input_grads
+        return self.context.input_grads
 
     def train(self, schedule: Any) -> Tensor:
         """Every task of a training step (forward, loss, backward) in one run of `schedule`;
         the step's loss."""
         pipeline = self.pipeline
-        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_inputs[0], "input"))
+        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
         pipeline.execute(schedule, self, "step")
         pipeline.streams.join_caller(pipeline.devices[-1])
         pipeline.streams.join_caller(pipeline.devices[0])
-        losses = [loss for loss in self.losses if loss is not None]
+        losses = [loss for loss in self.context.losses if loss is not None]
         return torch.stack(losses).sum() if len(losses) > 1 else losses[0]

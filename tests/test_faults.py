@@ -140,14 +140,14 @@ def _schedule_order(phase: str, cell: int, checkpoint: str) -> list[int]:
     """The micro-batches of `cell`'s forward or backward tasks, in the order its worker runs
     them (the order in which it calls receive)."""
     if phase == "forward":
-        schedule, kind = _C.gpipe_forward(K, M), _C.TaskKind.Forward
+        schedule, kind = _C.gpipe_forward(K, M), _C.actions().index("forward")
     else:
         recompute = [
             checkpoint == "always" or (checkpoint == "except_last" and m < M - 1) for m in range(M)
         ]
-        schedule, kind = _C.gpipe_backward(K, M, recompute), _C.TaskKind.Backward
+        schedule, kind = _C.gpipe_backward(K, M, recompute), _C.actions().index("backward")
     tasks = [schedule.tasks[i] for i in schedule.order(cell)]
-    return [task.microbatch for task in tasks if task.kind == kind]
+    return [task.microbatch for task in tasks if task.action == kind]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

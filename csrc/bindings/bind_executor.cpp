@@ -100,9 +100,13 @@ class PyExecutor {
     Executor& executor = get();
     RunControl control;
     control.timeout_s = timeout_s;
-    control.interrupted = [] {
+    control.interrupted = [&executor] {
       py::gil_scoped_acquire gil;
-      return PyErr_CheckSignals() != 0;  // leaves KeyboardInterrupt pending when true
+      if (PyErr_CheckSignals() == 0) return false;
+      // Cancelled while the GIL is still held: a worker woken by the signal handler (which
+      // ran just now) cannot start another task before the run is cancelled.
+      executor.cancel();
+      return true;  // KeyboardInterrupt stays pending for the caller
     };
     try {
       py::gil_scoped_release nogil;

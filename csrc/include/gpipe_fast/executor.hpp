@@ -39,7 +39,8 @@ struct RunControl {
   // > 0: a run still going after this many seconds is cancelled with StepTimeout.
   double timeout_s = 0.0;
   // Polled on the calling thread between waits; true stops the run with Interrupted once
-  // every worker has finished its current task (Ctrl-C).
+  // every worker has finished its current task (Ctrl-C). It may cancel() the run itself,
+  // while it still holds what the tasks need (the GIL), so that none starts in between.
   std::function<bool()> interrupted;
   std::chrono::milliseconds poll{50};
   // After a timeout, how long the running tasks get to return. A task still running then
