@@ -1,12 +1,98 @@
 """Builds gpipe_fast._C by driving CMake with the Ninja generator."""
 
+from __future__ import annotations
+
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+SOURCE_DIR = Path(__file__).parent.resolve()
+FINGERPRINT = "gpipe_fast-configure.json"  # in the CMake build folder, next to CMakeCache.txt
+# The configure inputs that name files or folders: a cache that remembers one gone is unusable.
+PATH_INPUTS = ("cmake", "make_program", "python", "pybind11_dir")
+COMPILER_VARS = ("CC", "CXX", "CUDACXX")
+
+
+def ninja_program() -> str:
+    """The ninja of the `ninja` Python package when present (as pybind11's cmake_example), else
+    the one on PATH, else "" (CMake then says that it found none)."""
+    try:
+        import ninja
+
+        bundled = Path(getattr(ninja, "BIN_DIR", "") or "/nonexistent") / "ninja"
+        if bundled.is_file():  # BIN_DIR is "" when ninja cannot locate its own binary
+            return str(bundled)
+    except ImportError:
+        pass
+    return shutil.which("ninja") or ""
+
+
+def configure_inputs(make_program: str, pybind11_dir: str, build_type: str) -> dict[str, str]:
+    """What a CMake cache remembers from its configure step, as a comparable fingerprint."""
+    return {
+        "source_dir": str(SOURCE_DIR),
+        "generator": "Ninja",
+        "cmake": shutil.which("cmake") or "",
+        "make_program": make_program,
+        "python": sys.executable,
+        "pybind11_dir": pybind11_dir,
+        "build_type": build_type,
+        "cmake_args": os.environ.get("CMAKE_ARGS", ""),
+        # CMake reads these only on a first configure, then ignores them silently.
+        "compilers": " ".join(f"{name}={os.environ.get(name, '')}" for name in COMPILER_VARS),
+    }
+
+
+def stale_cache_reason(build_dir: Path, inputs: dict[str, str]) -> str | None:
+    """Why build_dir's CMake cache must not be reused with `inputs`, or None when it may be.
+
+    Each `pip install .` builds in a fresh isolated environment (its own ninja, pybind11) that
+    pip deletes afterwards, while build/temp.*/ stays: a cache from an earlier build can point at
+    programs that are gone or differ, and CMake would reuse it as is."""
+    if not (build_dir / "CMakeCache.txt").exists():
+        return None
+    try:
+        recorded = json.loads((build_dir / FINGERPRINT).read_text())
+    except (OSError, ValueError):
+        return "no record of its configure inputs"
+    keys = inputs.keys() | recorded.keys()
+    changed = sorted(key for key in keys if recorded.get(key) != inputs.get(key))
+    if changed:
+        return "changed: " + ", ".join(changed)
+    gone = [recorded[k] for k in PATH_INPUTS if recorded.get(k) and not Path(recorded[k]).exists()]
+    if gone:
+        return "gone: " + ", ".join(gone)
+    return None
+
+
+def discard_stale_cache(build_dir: Path, inputs: dict[str, str]) -> str | None:
+    """Removes the CMake cache when stale (object files stay: Ninja rebuilds what changed)."""
+    reason = stale_cache_reason(build_dir, inputs)
+    if reason is not None:
+        (build_dir / "CMakeCache.txt").unlink()
+        shutil.rmtree(build_dir / "CMakeFiles", ignore_errors=True)
+    # Recorded again only after a successful configure, so a failed one is never trusted.
+    (build_dir / FINGERPRINT).unlink(missing_ok=True)
+    return reason
+
+
+def place_in_source(built: Path, target: Path) -> None:
+    """Copies built to target by writing a new file and renaming it over the old one: a process
+    that has the old _C loaded keeps a valid mapping (overwriting in place would crash it)."""
+    if target.exists() and target.samefile(built):
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        shutil.copy2(built, partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class CMakeExtension(Extension):
@@ -15,24 +101,63 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    """Builds into build/ as cmake_example does, then also places _C in the source package.
+
+    Why in place: `python -m gpipe_fast` (or any script) run from the repository root imports
+    the source tree's gpipe_fast/, ahead of the installed one, and must find a _C built from
+    those sources. pybind11's cmake_example builds only into the wheel; scikit-build-core
+    builds in the source tree only for its "inplace" editable mode; setuptools' own
+    `build_ext --inplace` (what editable installs run) builds in build/ and copies into the
+    source package. We take that last design and do it on every build, through the same
+    hook, copy_extensions_to_source, so that regular and editable installs share one path.
+    The copy is atomic (see place_in_source). For a regular install it is a convenience:
+    a read-only source tree warns and the install goes on; for --inplace/editable installs
+    the copy is the install, so a failure there is an error."""
+
+    def run(self) -> None:
+        super().run()  # with --inplace (editable installs) this calls copy_extensions_to_source
+        if not self.inplace:
+            try:
+                self.copy_extensions_to_source()
+            except OSError as error:
+                self.warn(
+                    f"could not place _C in the source tree ({error}); the install is fine, "
+                    "but run Python from outside the repository root to use it"
+                )
+
+    def copy_extensions_to_source(self) -> None:
+        for ext in self.extensions:
+            filename = self.get_ext_filename(self.get_ext_fullname(ext.name))
+            place_in_source(Path(self.build_lib) / filename, SOURCE_DIR / filename)
+
     def build_extension(self, ext: Extension) -> None:
         import pybind11
 
         extdir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
         build_type = "Debug" if os.environ.get("DEBUG") else "Release"
+        inputs = configure_inputs(ninja_program(), pybind11.get_cmake_dir(), build_type)
         args = [
-            "-G", "Ninja",
+            "-G", inputs["generator"],
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}",
-            f"-DPython_EXECUTABLE={sys.executable}",
-            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={inputs['python']}",
+            f"-Dpybind11_DIR={inputs['pybind11_dir']}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
         ]
-        args += os.environ.get("CMAKE_ARGS", "").split()
-        build_dir = Path(self.build_temp) / ext.name
+        if inputs["make_program"]:
+            args.append(f"-DCMAKE_MAKE_PROGRAM={inputs['make_program']}")
+        args += inputs["cmake_args"].split()
+        build_dir = Path(self.build_temp).resolve() / ext.name
         build_dir.mkdir(parents=True, exist_ok=True)
-        source_dir = Path(__file__).parent.resolve()
-        subprocess.run(["cmake", str(source_dir), *args], cwd=build_dir, check=True)
-        subprocess.run(["cmake", "--build", ".", "--target", "_C"], cwd=build_dir, check=True)
+        reason = discard_stale_cache(build_dir, inputs)
+        if reason is not None:
+            print(f"gpipe_fast: configuring CMake afresh in {build_dir} ({reason})")
+        cmake = inputs["cmake"] or "cmake"
+        subprocess.run([cmake, str(SOURCE_DIR), *args], cwd=build_dir, check=True)
+        (build_dir / FINGERPRINT).write_text(json.dumps(inputs, indent=1, sort_keys=True))
+        subprocess.run([cmake, "--build", ".", "--target", "_C"], cwd=build_dir, check=True)
 
 
-setup(ext_modules=[CMakeExtension("gpipe_fast._C")], cmdclass={"build_ext": CMakeBuild})
+# Guarded so that tests can import the helpers above without building (pip and setuptools run
+# this file as __main__).
+if __name__ == "__main__":
+    setup(ext_modules=[CMakeExtension("gpipe_fast._C")], cmdclass={"build_ext": CMakeBuild})

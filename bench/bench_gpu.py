@@ -5,10 +5,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,19 +14,10 @@ import torch
 
 from gpipe_fast import _C
 
-
-def _load_gpu_cuda_path() -> ModuleType:
-    # By path, not by import: pytest's import mode decides whether bench/ is on sys.path.
-    path = Path(__file__).with_name("gpu_cuda_path.py")
-    spec = importlib.util.spec_from_file_location("gpu_cuda_path", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu = _load_gpu_cuda_path()
+# bench/ on the path whatever pytest's import mode: the copy script imports its siblings.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_copy_bandwidth as gpu
+from reporting import MIB
 
 COPIES_PER_ROUND = 8  # one timed call enqueues these back to back, then waits for them
 needs_cuda = pytest.mark.skipif(
@@ -57,7 +46,7 @@ def test_copy_bandwidth(benchmark: Any, copier: str, route: str, mib: int) -> No
     if copier == "gpipe_fast" and not hasattr(_C, "BoundaryCopier"):
         pytest.skip("gpipe_fast._C has no BoundaryCopier in this build")
     src_device, dst_device = _devices(route)
-    nbytes = mib * gpu.MIB
+    nbytes = mib * MIB
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_device)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=dst_device)
     native = _C.BoundaryCopier() if copier == "gpipe_fast" else None

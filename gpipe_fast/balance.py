@@ -22,6 +22,10 @@ Device = torch.device | str | int
 Sample = Tensor | tuple[Tensor, ...]
 
 TIME_COSTS = ("total", "forward", "backward")
+# Measured runs per layer when neither `repeats` nor `timeout` is given.
+DEFAULT_REPEATS = 5
+# The profilers' clock, in seconds (a name of its own so that tests can drive it).
+_clock = time.perf_counter
 # A backward pass computes gradients for both the inputs and the weights, about two forwards'
 # work; assumed wherever the costs describe the forward (or the layer) but not its backward.
 BACKWARD_PER_FORWARD = 2.0
@@ -74,6 +78,15 @@ def _check_int(value: object, name: str, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def _check_seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0.0:
+        raise ValueError(f"{name} must be finite and >= 0 seconds, got {value}")
+    return seconds
 
 
 def _check_choice(value: object, name: str, choices: Sequence[str]) -> str:
@@ -214,10 +227,10 @@ def _synchronize(device: torch.device) -> None:
 def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     """Seconds `fn(*args)` takes on `device`, waiting for queued kernels on both sides."""
     _synchronize(device)
-    start = time.perf_counter()
+    start = _clock()
     result = fn(*args)
     _synchronize(device)
-    return time.perf_counter() - start, result
+    return _clock() - start, result
 
 
 def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
@@ -233,21 +246,43 @@ def _profile_layer(
     index: int,
     device: torch.device,
     warmup: int,
-    repeats: int,
+    repeats: int | None,
+    budget_s: float | None,
 ) -> tuple[float, float, Sample]:
-    """Median forward and backward seconds of one layer, and its (detached) output."""
-    forward_times, backward_times = [], []
+    """Median forward and backward seconds of one layer, and its (detached) output: over
+    `repeats` measured runs after `warmup`, or (repeats None) over as many measured runs as
+    fit in `budget_s` seconds from the layer's first run, at least one."""
+    forward_times: list[float] = []
+    backward_times: list[float] = []
     output: Any = None
-    for run in range(warmup + repeats):
+    started = _clock()
+    run = 0
+    while True:
         inputs = _fresh_input(value, needs_grad)
         forward_s, output = _timed(device, layer, inputs)
         roots, grads = _backward_roots(_tensors_of_output(output, index))
         backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
-        if run >= warmup:
+        run += 1
+        if run > warmup:
             forward_times.append(forward_s)
             backward_times.append(backward_s)
+            if repeats is not None:
+                enough = len(forward_times) >= repeats
+            else:
+                enough = budget_s is None or _clock() - started >= budget_s
+            if enough:
+                break
     detached = _like([t.detach() for t in _tensors_of_output(output, index)], output)
     return statistics.median(forward_times), statistics.median(backward_times), detached
+
+
+def _check_repeats(repeats: object, timeout: object) -> tuple[int | None, float | None]:
+    """(repeats, None) for a fixed count (5 when neither is given), or (None, timeout)."""
+    if timeout is None:
+        return _check_int(DEFAULT_REPEATS if repeats is None else repeats, "repeats", 1), None
+    if repeats is not None:
+        raise TypeError("give repeats (a number of runs) or timeout (seconds), not both")
+    return None, _check_seconds(timeout, "timeout")
 
 
 def profile_layers(
@@ -256,17 +291,25 @@ def profile_layers(
     *,
     device: Device | None = None,
     warmup: int = 2,
-    repeats: int = 5,
+    repeats: int | None = None,
+    timeout: float | None = None,
 ) -> LayerProfile:
     """Times each layer's forward and backward on `device`, feeding `sample` through the module
     layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
     leaves that need a gradient once anything upstream learns. Runs copies of the layers in
-    training mode, so the module itself is left untouched. `device` defaults to where the
-    module's parameters are (CPU without any)."""
+    training mode, so the module itself is left untouched (its parameters' ``.grad``
+    included). `device` defaults to where the module's parameters are (CPU without any).
+
+    Each layer runs `warmup` times unmeasured, then `repeats` measured times (default 5); the
+    medians are kept. Or give `timeout` instead of `repeats`, torchgpipe's keyword: the
+    seconds to spend profiling, shared evenly among the layers; each layer is measured until
+    its share (counted from its first run, warmup included) is spent, at least once, so a
+    layer slower than its share takes longer."""
     module = _check_module(module)
     target = _resolve_device(device, module)
     warmup = _check_int(warmup, "warmup", 0)
-    repeats = _check_int(repeats, "repeats", 1)
+    count, budget = _check_repeats(repeats, timeout)
+    per_layer_s = None if budget is None else budget / len(module)
     tensors = as_tensors(sample, "sample")
     value = _like([t.to(target) for t in tensors], sample)
     needs_grad = [t.requires_grad for t in tensors]
@@ -277,7 +320,7 @@ def profile_layers(
         for index, layer in enumerate(module):
             work = _profiling_copy(layer, index, target)
             forward_s, backward_s, value = _profile_layer(
-                work, value, needs_grad, index, target, warmup, repeats
+                work, value, needs_grad, index, target, warmup, count, per_layer_s
             )
             profile.forward.append(forward_s)
             profile.backward.append(backward_s)
@@ -296,12 +339,16 @@ def layer_costs_by_time(
     *,
     device: Device | None = None,
     warmup: int = 2,
-    repeats: int = 5,
+    repeats: int | None = None,
+    timeout: float | None = None,
     cost: str = "total",
 ) -> list[float]:
     """Measured seconds per layer (see profile_layers): "forward", "backward" or both."""
     cost = _check_choice(cost, "cost", TIME_COSTS)
-    return profile_layers(module, sample, device=device, warmup=warmup, repeats=repeats).costs(cost)
+    profile = profile_layers(
+        module, sample, device=device, warmup=warmup, repeats=repeats, timeout=timeout
+    )
+    return profile.costs(cost)
 
 
 def layer_output_bytes(
@@ -332,15 +379,23 @@ def _check_param_scale(param_scale: object) -> float:
 
 
 def layer_costs_by_size(
-    module: nn.Sequential, sample: Sample, *, device: Device | None = None, param_scale: float = 2.0
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    param_scale: float = 2.0,
+    chunks: int = 1,
 ) -> list[float]:
-    """Memory per layer in bytes: its output tensors' bytes on `sample` plus its parameter bytes
-    times `param_scale`. The default 2.0 counts each parameter's gradient beside it; raise it
+    """Memory per layer in bytes: its output tensors' bytes per micro-batch plus its parameter
+    bytes times `param_scale`. `sample` is one mini-batch, to be split into `chunks`
+    micro-batches (torchgpipe's keyword), so each output's bytes on it are divided by
+    `chunks`. The default param_scale 2.0 counts each parameter's gradient beside it; raise it
     for optimizer state kept on the same device (Adam's two moments: 4.0)."""
     scale = _check_param_scale(param_scale)
+    chunks = _check_int(chunks, "chunks", 1)
     activations = layer_output_bytes(module, sample, device=device)
     return [
-        float(out) + scale * params
+        out / chunks + scale * params
         for out, params in zip(activations, layer_param_bytes(module), strict=True)
     ]
 
@@ -362,16 +417,25 @@ def balance_by_time(
     *,
     device: Device | None = None,
     warmup: int = 2,
-    repeats: int = 5,
+    repeats: int | None = None,
+    timeout: float | None = None,
     cost: str = "total",
 ) -> list[int]:
     """A balance evening out measured time per cell. `sample` is a representative input batch;
     `cost` picks what to even out: "total" (forward + backward, for training), "forward" (for
-    inference) or "backward". The module is left as it was (see profile_layers)."""
+    inference) or "backward". Each layer is measured `repeats` times (default 5), or for its
+    share of `timeout` seconds (torchgpipe's keyword; see profile_layers). The module is left
+    as it was, parameters' ``.grad`` included; `device` defaults to the module's own."""
     module = _check_module(module)
     cells = _check_count(partitions, "partitions", len(module))
     costs = layer_costs_by_time(
-        module, sample, device=device, warmup=warmup, repeats=repeats, cost=cost
+        module,
+        sample,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        timeout=timeout,
+        cost=cost,
     )
     return partition(costs, cells)
 
@@ -383,13 +447,17 @@ def balance_by_size(
     *,
     device: Device | None = None,
     param_scale: float = 2.0,
+    chunks: int = 1,
 ) -> list[int]:
-    """A balance evening out memory per cell (see layer_costs_by_size)."""
+    """A balance evening out memory per cell (see layer_costs_by_size). `sample` is a whole
+    mini-batch as you will train it; `chunks` the micro-batches it will be split into
+    (torchgpipe's keyword), so activation sizes are counted per micro-batch."""
     module = _check_module(module)
     cells = _check_count(partitions, "partitions", len(module))
-    return partition(
-        layer_costs_by_size(module, sample, device=device, param_scale=param_scale), cells
+    costs = layer_costs_by_size(
+        module, sample, device=device, param_scale=param_scale, chunks=chunks
     )
+    return partition(costs, cells)
 
 
 def _layer_count(module_or_len: object) -> int:

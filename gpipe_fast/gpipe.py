@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import atexit
+import math
+import numbers
+import operator
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.memory import CellMemoryStats, memory_stats
-from gpipe_fast.microbatch import Value
+from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.schedules import check_schedule
 from gpipe_fast.step import LossFn
@@ -22,6 +25,13 @@ from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
 CHECKPOINT_MODES = ("always", "except_last", "never")
+
+# Appended to errors about a balance that does not fit the module.
+BALANCE_ADVICE = (
+    "let gpipe_fast choose one: balance=None (by parameter count), "
+    "gf.balance_by_params(cells, module), gf.balance_by_time(cells, module, sample) or "
+    "gf.balance_by_size(cells, module, sample)"
+)
 
 # Pipes still holding workers; joined before the interpreter starts tearing down.
 _live_pipes: weakref.WeakSet[GPipe] = weakref.WeakSet()
@@ -31,6 +41,11 @@ _live_pipes: weakref.WeakSet[GPipe] = weakref.WeakSet()
 def _close_live_pipes() -> None:
     for pipe in list(_live_pipes):
         pipe.close()
+
+
+class TooFewDevicesError(ValueError, IndexError):
+    """Fewer devices than cells. A ValueError, like every bad argument here, and an
+    IndexError, which torchgpipe raised for it, so either ``except`` catches it."""
 
 
 class GPipe(nn.Module):
@@ -45,6 +60,17 @@ class GPipe(nn.Module):
     module on the whole batch. ``recompute_pool=True`` (CUDA cells; off by default until a
     GPU measurement shows it lowers peak reserved memory) allocates what each cell's
     re-materialisation rebuilds from a native pool of that cell's own (see memory_stats()).
+
+    ``devices`` defaults to every CUDA device, one per cell; without CUDA, to one "cpu"
+    device per cell, however many cores there are: CPU cells share the cores out (see
+    ``threads_per_cell``). ``balance=None`` balances by parameter count over one cell per
+    device: per GPU, or on a CPU-only machine one per core (at most one per layer), so that
+    every cell gets a core of its own and all cores work at once without oversubscribing
+    them. An empty ``nn.Sequential()`` with ``balance=[]`` is the identity and starts no
+    workers. ``chunks`` takes an int or anything that converts to one without loss (42.0,
+    a numpy int); ``checkpoint`` a mode as a str (a str subclass, or an object whose str()
+    is the mode). The pipe cannot be moved (``cuda()``, ``cpu()``, ``to(device)``): build a
+    new GPipe with other devices; casting (``half()``, ``to(torch.float64)``) is allowed.
 
     ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
     "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
@@ -67,27 +93,21 @@ class GPipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
-        if len(module) == 0:
-            raise ValueError("module must have at least one layer")
-        if isinstance(chunks, bool) or not isinstance(chunks, int):
-            raise TypeError(f"chunks must be an int, got {type(chunks).__name__}")
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        chunks = _check_chunks(chunks)
+        checkpoint = _check_checkpoint(checkpoint)
         if not isinstance(recompute_pool, bool):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
         schedule = check_schedule(schedule)
 
-        resolved_devices = _resolve_devices(devices)
+        given_devices = None if devices is None else _resolve_devices(devices)
         if balance is None:
-            from gpipe_fast.balance import balance_by_params
-
-            # One cell per device (by default every GPU, else one CPU cell per core).
-            balance = balance_by_params(min(len(module), len(resolved_devices)), module)
+            balance = _default_balance(module, given_devices)
         balance = _check_balance(balance, len(module))
+        resolved_devices = (
+            _default_devices(len(balance)) if given_devices is None else given_devices
+        )
         stage_workers = list(range(len(balance)))
-        if schedule == "interleaved":
+        if schedule == "interleaved" and balance:
             workers = len(resolved_devices)
             if len(balance) % workers != 0:
                 raise ValueError(
@@ -97,7 +117,7 @@ class GPipe(nn.Module):
             stage_workers = [k % workers for k in range(len(balance))]
             resolved_devices = [resolved_devices[w] for w in stage_workers]
         elif len(resolved_devices) < len(balance):
-            raise ValueError(
+            raise TooFewDevicesError(
                 f"devices: {len(balance)} cells need {len(balance)} devices, "
                 f"got {len(resolved_devices)}"
             )
@@ -125,20 +145,26 @@ class GPipe(nn.Module):
         self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
 
         self._threads_per_cell = _default_threads_per_cell(self.devices)
-        self._pipeline = Pipeline(
-            cells,
-            self.devices,
-            self._threads_per_cell,
-            stage_workers=stage_workers,
-            schedule=schedule,
-            recompute_pool=recompute_pool,
+        self._step_timeout: float | None = None
+        # No cells, no workers: an empty pipe is the identity (as in torchgpipe).
+        self._pipeline = (
+            Pipeline(
+                cells,
+                self.devices,
+                self._threads_per_cell,
+                stage_workers=stage_workers,
+                schedule=schedule,
+                recompute_pool=recompute_pool,
+            )
+            if cells
+            else None
         )
         _live_pipes.add(self)
 
     @property
     def threads_per_cell(self) -> int | None:
         """Intra-op threads of each CPU cell's worker (None: PyTorch's own setting)."""
-        return self._pipeline.threads_per_cell
+        return self._threads_per_cell
 
     @property
     def step_timeout(self) -> float | None:
@@ -149,7 +175,7 @@ class GPipe(nn.Module):
         and does not return within 2 s more, its workers are left behind and this pipe can
         run no more steps: build a new one.
         """
-        return self._pipeline.step_timeout
+        return self._step_timeout
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
@@ -160,9 +186,14 @@ class GPipe(nn.Module):
                 )
             if not seconds > 0:
                 raise ValueError(f"step_timeout must be > 0 seconds, got {seconds}")
-        self._pipeline.step_timeout = None if seconds is None else float(seconds)
+        self._step_timeout = None if seconds is None else float(seconds)
+        if self._pipeline is not None:
+            self._pipeline.step_timeout = self._step_timeout
 
     def forward(self, input: Value) -> Value:  # type: ignore[override]
+        if self._pipeline is None:  # no cells: the identity, for Tensors only
+            as_tensors(input, "input")
+            return input
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
@@ -178,6 +209,8 @@ class GPipe(nn.Module):
         ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
         (gradients accumulate, as backward() does: zero them between steps). The input's
         gradient reaches ``input.grad`` when it requires one."""
+        if self._pipeline is None:  # no cells: the loss of the input itself
+            return _identity_train_step(input, target, loss_fn)
         return self._pipeline.train_step(
             input,
             target,
@@ -195,11 +228,14 @@ class GPipe(nn.Module):
         CPU cells are timed on the host, CUDA cells by CUDA events on their streams (see
         :class:`~gpipe_fast.TaskSpan`). While on, each phase reads its CUDA events when its
         run ends, so ``pipe(x)`` and the backward return once the GPU has finished them."""
-        self._pipeline.set_recording(bool(on))
+        if self._pipeline is not None:  # an empty pipe runs no tasks to record
+            self._pipeline.set_recording(bool(on))
 
     def timeline(self) -> Timeline:
         """The task timeline of the last step run with recording on: its forward (``pipe(x)``)
         and, once ``loss.backward()`` has run, its backward."""
+        if self._pipeline is None:
+            raise RuntimeError("gpipe_fast: an empty pipe has no cells, so no timeline")
         if not self._pipeline.recording:
             raise RuntimeError(
                 "gpipe_fast: timeline recording is off; call pipe.record_timeline() before "
@@ -235,20 +271,66 @@ class GPipe(nn.Module):
           device (shared by the cells on one device; reset it with
           ``torch.cuda.reset_peak_memory_stats``); None for a CPU cell.
         """
-        return memory_stats(self._pipeline)
+        return [] if self._pipeline is None else memory_stats(self._pipeline)
 
     def close(self) -> None:
         """Joins the worker threads and gives the recompute pools' memory back; the pipe
         cannot run afterwards."""
-        self._pipeline.close()
+        if self._pipeline is not None:
+            self._pipeline.close()
         _live_pipes.discard(self)
 
-    def __len__(self) -> int:
-        return sum(len(cell) for cell in self.partitions)
+    def _cells(self) -> list[nn.Sequential]:
+        return cast(list[nn.Sequential], list(self.partitions))
 
-    def __iter__(self) -> Iterable[nn.Module]:  # type: ignore[override]
-        for cell in self.partitions:
+    def __len__(self) -> int:
+        return sum(len(cell) for cell in self._cells())
+
+    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+        for cell in self._cells():
             yield from cell
+
+    def __getitem__(self, index: int) -> nn.Module:
+        """The layer at `index` of the wrapped module (negative from the end), whichever cell
+        holds it."""
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"GPipe layer indices must be integers, got {type(index).__name__}"
+            ) from None
+        layers = list(self)
+        if not -len(layers) <= position < len(layers):
+            raise IndexError(f"layer index {index} is out of range for {len(layers)} layers")
+        return layers[position]
+
+    # Moving is denied: each cell must stay on its own entry of self.devices, which the
+    # workers, streams and boundary copies were built for. Casting dtypes is allowed.
+    def cuda(self, device: int | torch.device | None = None) -> NoReturn:
+        _deny_moving("cuda()")
+
+    def cpu(self) -> NoReturn:
+        _deny_moving("cpu()")
+
+    def xpu(self, device: int | torch.device | None = None) -> NoReturn:
+        _deny_moving("xpu()")
+
+    def ipu(self, device: int | torch.device | None = None) -> NoReturn:
+        _deny_moving("ipu()")
+
+    def mtia(self, device: int | torch.device | None = None) -> NoReturn:
+        _deny_moving("mtia()")
+
+    def to_empty(self, *, device: Device | None, recurse: bool = True) -> NoReturn:
+        _deny_moving("to_empty()")
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:  # type: ignore[override]
+        """Casts (``to(torch.float64)``, ``to(dtype=...)``, ``to(memory_format=...)``); a
+        device or a tensor to move to raises TypeError."""
+        move = _move_in_to(args, kwargs)
+        if move is not None:
+            _deny_moving(move)
+        return cast(GPipe, super().to(*args, **kwargs))
 
     def extra_repr(self) -> str:
         devices = [str(d) for d in self.devices]
@@ -275,11 +357,64 @@ def _cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _resolve_devices(devices: Sequence[Device] | None) -> list[torch.device]:
-    if devices is None:
-        if torch.cuda.is_available():
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        return [torch.device("cpu")] * _cpu_cores()
+def _whole_number(value: object) -> int | None:
+    """`value` as an int when it is one or converts to one without loss (42.0, a numpy int,
+    a one-element integer tensor); None for anything else (2.5, "8", True)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(float(value))
+    return None
+
+
+def _check_chunks(chunks: object) -> int:
+    count = _whole_number(chunks)
+    if count is None:
+        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} {chunks!r}")
+    if count < 1:
+        raise ValueError(f"chunks must be >= 1, got {count}")
+    return count
+
+
+def _check_checkpoint(checkpoint: object) -> str:
+    """The mode as a plain str: from a str (or a subclass, by its contents) or from an object
+    whose str() is a mode (torchgpipe took str(checkpoint))."""
+    mode = str.__str__(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
+    if isinstance(checkpoint, bool) or mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    return mode
+
+
+def _default_balance(module: nn.Sequential, devices: list[torch.device] | None) -> list[int]:
+    """Balanced by parameter count over one cell per device (see GPipe), at most one per layer;
+    no cells for an empty module."""
+    from gpipe_fast.balance import balance_by_params
+
+    if len(module) == 0:
+        return []
+    if devices is not None:
+        available = len(devices)
+    elif torch.cuda.is_available():
+        available = torch.cuda.device_count()
+    else:
+        available = _cpu_cores()
+    # With no devices at all, still one cell, so that the device check below names them.
+    return balance_by_params(min(len(module), max(1, available)), module)
+
+
+def _default_devices(cells: int) -> list[torch.device]:
+    """Every CUDA device; without CUDA one "cpu" device per cell (the cores are shared out
+    among CPU cells by _default_threads_per_cell)."""
+    if torch.cuda.is_available():
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")] * cells
+
+
+def _resolve_devices(devices: Sequence[Device]) -> list[torch.device]:
     if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list of devices, got {type(devices).__name__}")
     resolved = []
@@ -299,18 +434,43 @@ def _resolve_devices(devices: Sequence[Device] | None) -> list[torch.device]:
 def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
+    sizes: list[int] = []
     for i, size in enumerate(balance):
-        if isinstance(size, bool) or not isinstance(size, int):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
             raise TypeError(f"balance[{i}] must be an int, got {type(size).__name__}")
         if size < 1:
-            raise ValueError(f"balance[{i}] = {size}: every cell needs at least one layer")
-    if not balance:
-        raise ValueError("balance must name at least one cell")
-    if sum(balance) != layers:
+            raise ValueError(
+                f"balance[{i}] = {size}: every cell needs at least one layer; {BALANCE_ADVICE}"
+            )
+        sizes.append(int(size))
+    if not sizes and layers:
+        raise ValueError(f"balance must name at least one cell; {BALANCE_ADVICE}")
+    if sum(sizes) != layers:
         raise ValueError(
-            f"balance {list(balance)} sums to {sum(balance)}, but module has {layers} layers"
+            f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers; "
+            f"{BALANCE_ADVICE}"
         )
-    return list(balance)
+    return sizes
+
+
+def _move_in_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """How a call to Module.to(*args, **kwargs) would move the pipe, or None for a cast."""
+    if "tensor" in kwargs or (args and isinstance(args[0], Tensor)):
+        return "to(tensor)"
+    if "device" in kwargs or (
+        args and isinstance(args[0], (torch.device, str, int)) and not isinstance(args[0], bool)
+    ):
+        return "to(device)"
+    return None
+
+
+def _deny_moving(call: str) -> NoReturn:
+    raise TypeError(
+        f"pipe.{call}: a GPipe cannot be moved: each cell lives on its entry of pipe.devices, "
+        "where its worker and streams run it, and moving would put the weights out of step "
+        "with pipe.devices. To use other devices, build a new GPipe with devices=[...]; "
+        "casting (pipe.half(), pipe.to(torch.float64)) is allowed"
+    )
 
 
 def _reject_shared_parameters(cells: list[nn.Sequential]) -> None:
@@ -349,3 +509,14 @@ def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any)
         cell = module._cell_of.get(layer)
         if cell is not None:
             state[f"{prefix}partitions.{cell}.{key[len(prefix) :]}"] = state.pop(key)
+
+
+def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
+    as_tensors(input, "input")
+    loss = loss_fn(input, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
+    if loss.requires_grad:
+        loss.backward()
+    return loss.detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -99,6 +100,71 @@ def test_balance_by_time_measures_backward_separately() -> None:
     assert profile.output_bytes == [4 * 8 * 4] * 6
     assert gf.balance_by_time(2, module, x, warmup=1, repeats=3, cost="backward") == [2, 4]
     assert gf.balance_by_time(2, module, x, warmup=1, repeats=3) == [2, 4]
+
+
+class _CountRuns(nn.Module):
+    """Identity that counts its forward calls in a class attribute: profiling runs copies of
+    the layer, whose instance attributes would be copied with it."""
+
+    runs: ClassVar[list[int]] = []  # one count per instance, by its `index`
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CountRuns.runs[self.index] += 1
+        return x * 1.0
+
+
+def _counting(layers: int) -> nn.Sequential:
+    _CountRuns.runs = [0] * layers
+    return nn.Sequential(*[_CountRuns(i) for i in range(layers)])
+
+
+class _FakeClock:
+    """A clock that moves `tick` seconds each time it is read, whatever the machine does."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_timeout_spends_an_even_share_of_the_budget_on_each_layer(monkeypatch) -> None:
+    # Each clock read moves 1 ms. A run reads the clock at most 5 times (forward and backward
+    # timed, then the budget checked), so a 50 ms share (0.2 s over 4 layers) gives each layer
+    # at least 10 runs, and at most 50 (a run reads it at least once).
+    monkeypatch.setattr(gb, "_clock", _FakeClock(0.001))
+    gb.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=0.2)
+    assert all(10 <= runs <= 50 for runs in _CountRuns.runs), _CountRuns.runs
+    assert len(set(_CountRuns.runs)) == 1  # the same share for every layer
+
+    # A budget ten times larger buys about ten times the runs.
+    monkeypatch.setattr(gb, "_clock", _FakeClock(0.001))
+    gb.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=2.0)
+    assert all(100 <= runs <= 500 for runs in _CountRuns.runs), _CountRuns.runs
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_timeout_zero_measures_each_layer_once(warmup: int) -> None:
+    gb.profile_layers(_counting(3), torch.randn(2, 3), warmup=warmup, timeout=0)
+    assert _CountRuns.runs == [warmup + 1] * 3
+
+
+def test_repeats_count_measured_runs_after_warmup() -> None:
+    gb.profile_layers(_counting(3), torch.randn(2, 3), warmup=2, repeats=4)
+    assert _CountRuns.runs == [6] * 3
+    gb.profile_layers(_counting(2), torch.randn(2, 3), warmup=1)
+    assert _CountRuns.runs == [1 + gb.DEFAULT_REPEATS] * 2
+
+
+def test_balance_by_time_takes_torchgpipes_timeout() -> None:
+    # torchgpipe's own check: forward 10..60 ms; [4, 2] (100 | 110 ms) is the best cut.
+    module = nn.Sequential(*[Sleepy(ms) for ms in (10, 20, 30, 40, 50, 60)])
+    assert gf.balance_by_time(2, module, torch.rand(1), timeout=0.3, device="cpu") == [4, 2]
 
 
 def test_no_backward_where_nothing_learns() -> None:
@@ -198,6 +264,23 @@ def test_balance_by_size_default_counts_gradients() -> None:
     assert gf.balance_by_size(3, widening(), torch.randn(8, 16)) == [3, 1, 1]
 
 
+def test_size_chunks_count_activations_per_micro_batch() -> None:
+    module = widening()
+    whole = gb.layer_costs_by_size(module, torch.randn(8, 16), param_scale=0.5, chunks=8)
+    # Output bytes of the 8-row mini-batch over 8 micro-batches: those of one row.
+    assert whole == gb.layer_costs_by_size(module, torch.randn(1, 16), param_scale=0.5)
+    assert whole == [64 + 544, 64 + 544, 4096, 64 + 32800, 64 + 544]
+
+
+def test_balance_by_size_takes_torchgpipes_chunks() -> None:
+    # Costs with param_scale 0.5. Whole batch: 1056, 1056, 32768, 33312, 1056: [2, 1, 2] keeps
+    # the two big layers apart at 34368. Per micro-batch of 8: 608, 608, 4096, 32864, 608: the
+    # parameters dominate, and the 1024-wide Linear alone is the best cut.
+    module, x = widening(), torch.randn(8, 16)
+    assert gf.balance_by_size(3, module, x, param_scale=0.5) == [2, 1, 2]
+    assert gf.balance_by_size(3, module, x, param_scale=0.5, chunks=8) == [3, 1, 1]
+
+
 # -- given costs --------------------------------------------------------------------------------
 
 
@@ -280,6 +363,20 @@ def test_bad_module(estimator: str) -> None:
         (lambda: gf.balance_by_time(2, funnel(), _sample(), warmup=-1), ValueError, "warmup"),
         (lambda: gf.balance_by_time(2, funnel(), _sample(), repeats=0), ValueError, "repeats"),
         (lambda: gf.balance_by_time(2, funnel(), _sample(), cost="fwd"), ValueError, "cost"),
+        (lambda: gf.balance_by_time(2, funnel(), _sample(), timeout=-1), ValueError, "timeout"),
+        (lambda: gf.balance_by_time(2, funnel(), _sample(), timeout="1"), TypeError, "timeout"),
+        (
+            lambda: gf.balance_by_time(2, funnel(), _sample(), timeout=math.inf),
+            ValueError,
+            "timeout",
+        ),
+        (
+            lambda: gf.balance_by_time(2, funnel(), _sample(), repeats=3, timeout=1.0),
+            TypeError,
+            "repeats.*timeout.*not both",
+        ),
+        (lambda: gf.balance_by_size(2, funnel(), _sample(), chunks=0), ValueError, "chunks"),
+        (lambda: gf.balance_by_size(2, funnel(), _sample(), chunks=2.5), TypeError, "chunks"),
         (lambda: gf.balance_by_time(2, funnel(), _sample(), device="tpu9"), ValueError, "device"),
         (lambda: gf.balance_by_size(2, funnel(), ()), TypeError, "sample"),
         (

@@ -18,7 +18,7 @@ from helpers import RaiseInBackward, assert_same_run, mlp, no_hang, pipe_run, re
         ({"balance": [3, 0, 3]}, ValueError, "balance"),  # an empty cell
         ({"balance": [3, 3], "devices": ["cpu"]}, ValueError, "devices"),
         ({"balance": [6], "chunks": 0}, ValueError, "chunks"),
-        ({"balance": [6], "chunks": 2.0}, TypeError, "chunks"),
+        ({"balance": [6], "chunks": 2.5}, TypeError, "chunks"),  # 2.0 would be taken as 2
         ({"balance": [6], "checkpoint": "sometimes"}, ValueError, "checkpoint"),
         ({"balance": [3.0, 3]}, TypeError, "balance"),
         ({"balance": [6], "devices": ["tpu"]}, ValueError, "devices"),

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
+from gpipe_fast import gpipe as gpipe_module
 
-from helpers import assert_same_run, mlp, pipe_run, reference_run
+from helpers import assert_same_run, mlp, native_threads, pipe_run, reference_run
 
 BALANCES = {1: [6], 2: [3, 3], 3: [1, 4, 1], 4: [2, 1, 2, 1]}
 
@@ -150,3 +151,223 @@ def test_default_balance_uses_parameters(make_pipe) -> None:
     pipe = make_pipe(module, devices=["cpu", "cpu"])
     assert pipe.balance == gf.balance_by_params(2, module)
     assert sum(pipe.balance) == 5
+
+
+# -- defaults -----------------------------------------------------------------------------------
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only defaults")
+
+
+@no_cuda
+@pytest.mark.parametrize(("cores", "threads"), [(2, 1), (12, 4)])
+def test_default_devices_on_cpu_are_one_per_cell(make_pipe, monkeypatch, cores, threads) -> None:
+    monkeypatch.setattr(gpipe_module, "_cpu_cores", lambda: cores)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    module = mlp(3)
+    pipe = make_pipe(module, [2, 2, 2], chunks=3)  # more cells than cores is fine
+    assert pipe.devices == [torch.device("cpu")] * 3
+    assert pipe.threads_per_cell == threads  # the cores shared out among the cells
+    if cores == 2:  # run it for real only with no more threads than this machine may have
+        x = torch.randn(7, 6, dtype=torch.float64)
+        assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
+
+
+@no_cuda
+@pytest.mark.parametrize(("cores", "cells"), [(1, 1), (2, 2), (4, 4), (64, 6)])
+def test_default_balance_on_cpu_is_one_cell_per_core(make_pipe, monkeypatch, cores, cells):
+    monkeypatch.setattr(gpipe_module, "_cpu_cores", lambda: cores)
+    module = mlp(3)  # 6 layers: never more cells than layers
+    pipe = make_pipe(module)
+    assert pipe.balance == gf.balance_by_params(cells, module)
+    assert pipe.devices == [torch.device("cpu")] * cells
+
+
+# -- the pipe as a sequence of layers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("balance", [[6], [1, 5], [2, 2, 2], [1, 1, 1, 1, 1, 1]])
+def test_indexing_walks_the_layers_across_cells(make_pipe, balance: list[int]) -> None:
+    module = mlp(3)
+    pipe = make_pipe(module, balance, devices=["cpu"] * len(balance))
+    assert len(pipe) == 6
+    assert list(pipe) == list(module)
+    for i in range(6):
+        assert pipe[i] is module[i]
+        assert pipe[i - 6] is module[i]
+    assert pipe[-1] is module[5]
+    for past in (6, -7, 100):
+        with pytest.raises(IndexError, match=f"layer index {past} is out of range"):
+            pipe[past]
+    with pytest.raises(TypeError, match="integers"):
+        pipe["0"]  # type: ignore[index]
+
+
+# -- moving and casting ---------------------------------------------------------------------------
+
+MOVES = {
+    "cuda()": lambda pipe: pipe.cuda(),
+    "cuda(0)": lambda pipe: pipe.cuda(0),
+    "cpu()": lambda pipe: pipe.cpu(),
+    "to(device)": lambda pipe: pipe.to(torch.device("cpu")),
+    "to('cpu')": lambda pipe: pipe.to("cpu"),
+    "to('cuda')": lambda pipe: pipe.to("cuda"),
+    "to(0)": lambda pipe: pipe.to(0),
+    "to(device=)": lambda pipe: pipe.to(device="cpu"),
+    "to(device, dtype)": lambda pipe: pipe.to("cpu", torch.float64),
+    "to(device=, dtype=)": lambda pipe: pipe.to(device="cpu", dtype=torch.float64),
+    "to(tensor)": lambda pipe: pipe.to(torch.zeros(1, dtype=torch.float64)),
+    "to(tensor=)": lambda pipe: pipe.to(tensor=torch.zeros(1)),
+    "to_empty": lambda pipe: pipe.to_empty(device="cpu"),
+}
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_moving_the_pipe_is_a_type_error_that_says_why(make_pipe, move: str) -> None:
+    module = mlp(2)
+    pipe = make_pipe(module, [2, 2], devices=["cpu", "cpu"], chunks=2)
+    weights = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(TypeError, match=r"out of step with pipe\.devices") as caught:
+        MOVES[move](pipe)
+    assert "build a new GPipe" in str(caught.value)
+    # Nothing moved or changed, and the pipe still trains.
+    for before, after in zip(weights, module.parameters(), strict=True):
+        assert after.dtype == torch.float64 and torch.equal(before, after)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
+
+
+def test_casting_the_pipe_casts_the_models_own_weights(make_pipe) -> None:
+    module = mlp(2).float()
+    pipe = make_pipe(module, [2, 2], devices=["cpu", "cpu"], chunks=3)
+    assert pipe.double() is pipe
+    assert all(p.dtype == torch.float64 for p in module.parameters())
+    x = torch.randn(7, 6, dtype=torch.float64)
+    assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
+    for cast_to, want in [
+        (lambda: pipe.half(), torch.float16),
+        (lambda: pipe.to(torch.float32), torch.float32),
+        (lambda: pipe.to(dtype=torch.bfloat16), torch.bfloat16),
+        (lambda: pipe.to(torch.float64, non_blocking=True), torch.float64),
+        (lambda: pipe.float(), torch.float32),
+    ]:
+        assert cast_to() is pipe
+        assert all(p.dtype == want for p in module.parameters())
+
+
+# -- argument conversions -----------------------------------------------------------------------
+
+
+class _IndexLike:
+    """An int-like that is no int: converts through __index__, as numpy ints do."""
+
+    def __index__(self) -> int:
+        return 3
+
+
+class _Mode(str):
+    pass
+
+
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@pytest.mark.parametrize(
+    ("chunks", "want"), [(42.0, 42), (_IndexLike(), 3), (torch.tensor(5), 5), (4, 4)]
+)
+def test_chunks_that_convert_without_loss_are_taken(make_pipe, chunks: object, want: int) -> None:
+    pipe = make_pipe(mlp(1), [2], devices=["cpu"], chunks=chunks)
+    assert pipe.chunks == want and type(pipe.chunks) is int
+
+
+def test_numpy_chunks_are_taken(make_pipe) -> None:
+    np = pytest.importorskip("numpy")
+    for chunks in (np.int64(6), np.int32(2), np.float64(8.0)):
+        pipe = make_pipe(mlp(1), [2], devices=["cpu"], chunks=chunks)
+        assert pipe.chunks == int(chunks) and type(pipe.chunks) is int
+
+
+@pytest.mark.parametrize(
+    "chunks", [2.5, "8", True, False, None, float("nan"), float("inf"), torch.tensor(2.0)]
+)
+def test_chunks_that_would_lose_something_are_rejected(chunks: object) -> None:
+    with pytest.raises(TypeError, match="chunks must be an int"):
+        gf.GPipe(mlp(1), [2], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 0.0, -3.0])
+def test_chunks_below_one_are_rejected(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks must be >= 1"):
+        gf.GPipe(mlp(1), [2], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpoint", [_Mode("never"), _Named("always"), "except_last"])
+def test_str_like_checkpoint_modes_are_taken(make_pipe, checkpoint: object) -> None:
+    pipe = make_pipe(mlp(1), [2], devices=["cpu"], checkpoint=checkpoint)
+    assert pipe.checkpoint == str(checkpoint) and type(pipe.checkpoint) is str
+
+
+@pytest.mark.parametrize("checkpoint", [True, None, b"always", "ALWAYS", 1, _Named("sometimes")])
+def test_other_checkpoint_values_are_rejected(checkpoint: object) -> None:
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        gf.GPipe(mlp(1), [2], devices=["cpu"], checkpoint=checkpoint)  # type: ignore[arg-type]
+
+
+# -- the empty pipe -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("balance", [[], None])
+def test_empty_module_is_the_identity_without_workers(make_pipe, balance) -> None:
+    workers = native_threads("gpipe-cell")
+    pipe = make_pipe(nn.Sequential(), balance, chunks=4)
+    assert pipe.balance == [] and pipe.devices == [] and len(pipe) == 0 and list(pipe) == []
+    assert pipe.state_dict() == {} and pipe.memory_stats() == []
+    x = torch.randn(5, 3, requires_grad=True)
+    out = pipe(x)
+    assert out is x
+    (out * 3).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+    pair = (torch.randn(2), torch.randn(4))
+    assert pipe(pair) is pair
+    with pytest.raises(TypeError, match="input must be a Tensor"):
+        pipe(42)
+    with pytest.raises(IndexError):
+        pipe[0]
+    assert native_threads("gpipe-cell") == workers  # no worker was started for it
+
+
+def test_empty_module_takes_no_cells() -> None:
+    with pytest.raises(ValueError, match="sums to 1, but module has 0 layers"):
+        gf.GPipe(nn.Sequential(), [1])
+
+
+# -- errors a torchgpipe user would catch --------------------------------------------------------
+
+
+def test_too_few_devices_is_both_value_and_index_error() -> None:
+    for error in (ValueError, IndexError):
+        with pytest.raises(error, match="devices: 3 cells need 3 devices, got 2"):
+            gf.GPipe(mlp(3), [2, 2, 2], devices=["cpu", "cpu"])
+    with pytest.raises(gf.gpipe.TooFewDevicesError, match="devices"):
+        gf.GPipe(mlp(1), devices=[])
+
+
+@pytest.mark.parametrize(
+    ("balance", "problem"),
+    [
+        ([2, 2], "sums to 4, but module has 6 layers"),
+        ([3, 0, 3], r"balance\[1\] = 0"),
+        ([], "at least one cell"),
+        ([7], "sums to 7"),
+    ],
+)
+def test_balance_that_does_not_fit_names_the_balancing_helpers(balance, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem) as caught:
+        gf.GPipe(mlp(3), balance, devices=["cpu"] * 3)
+    message = str(caught.value)
+    for helper in ("gf.balance_by_params(", "gf.balance_by_time(", "gf.balance_by_size("):
+        assert helper in message

@@ -174,8 +174,13 @@ def test_missing_native_core_fails_loudly(tmp_path) -> None:
 
     source = os.path.dirname(gpipe_fast.__file__)
     shutil.copytree(source, tmp_path / "gpipe_fast", ignore=shutil.ignore_patterns("_C*.so"))
+    # -I -S: no PYTHON* variables, no current folder and no .pth files, so no editable-install
+    # finder can supply the real _C behind the copy's back; the copy comes first on an explicit
+    # path that keeps this interpreter's own folders (torch and the rest).
+    search_path = [str(tmp_path), *(entry for entry in sys.path if entry)]
+    importer = "import sys; sys.path[:0] = sys.argv[1:]; import gpipe_fast"
     result = subprocess.run(
-        [sys.executable, "-c", "import gpipe_fast"],
+        [sys.executable, "-I", "-S", "-c", importer, *search_path],
         capture_output=True,
         text=True,
         timeout=120,

@@ -81,24 +81,26 @@ def _soak(make_pipe: Any, device: str, snapshot: Callable[[Any], tuple[object, .
         assert not fail.armed
         optimizer.step()
 
-    def objects_now() -> Counter[str]:
-        optimizer.zero_grad()  # a step that failed left no gradients: count none either way
-        return _live_objects()
+    def state() -> tuple[tuple[object, ...], Counter[str]]:
+        # The same point after every step, failed or not: no gradients (a failed step left
+        # none), garbage collected (by the census) before the snapshot reads memory.
+        optimizer.zero_grad()
+        objects = _live_objects()
+        return snapshot(executor), objects
 
     with no_hang(300):
         for i in range(100):  # warm-up: allocator pools, lazy imports, per-thread state
             step(i)
-        settled, objects = snapshot(executor), objects_now()
+        settled = state()
         runs, rss_warm = executor.runs, _rss()
-        assert objects["tensor"] > 0  # the census sees the model's parameters and `x`
+        assert settled[1]["tensor"] > 0  # the census sees the model's parameters and `x`
         for i in range(STEPS):
             step(i)
             if i == STEPS // 2:
-                assert objects_now() == objects
+                assert state() == settled
                 rss_half = _rss()
-                assert snapshot(executor) == settled
-        assert objects_now() == objects  # no step, tensor or autograd context left behind
-        assert snapshot(executor) == settled
+        # No step, tensor or autograd context left behind; snapshot(executor) flat.
+        assert state() == settled
     assert executor.live_events == 0
     failed = STEPS // FAIL_EVERY
     assert executor.runs - runs == 2 * (STEPS - failed) + failed  # a failed step runs once
