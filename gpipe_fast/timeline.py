@@ -282,7 +282,10 @@ class Timeline:
         figure = Figure(figsize=(12, 1.4 + 0.55 * rows), layout="constrained")
         axes = figure.add_subplot()
         height = 0.8
-        label_min = end / 60  # blocks narrower than this carry no label
+        fontsize = 7 if self.microbatches < 10 else 5
+        # A label fits a block when its text (about 0.6 em a character, on ~690 points of
+        # axis) is narrower than the block; narrower blocks carry none.
+        per_char = end * 0.6 * fontsize / 690
         for worker in range(rows):
             y = rows - 1 - worker  # worker 0 on top
             axes.broken_barh(
@@ -297,15 +300,16 @@ class Timeline:
                     linewidth=0.5,
                     zorder=2,
                 )
-                if span.duration_s >= label_min:
+                label = self.label(span)
+                if span.duration_s >= per_char * (len(label) + 1):
                     axes.text(
                         (span.start_s + span.duration_s / 2) * scale,
                         y,
-                        self.label(span),
+                        label,
                         ha="center",
                         va="center",
                         color="white",
-                        fontsize=7 if self.microbatches < 10 else 5,
+                        fontsize=fontsize,
                         zorder=3,
                     )
         kinds = list(dict.fromkeys(s.kind for s in sorted(self.spans, key=lambda s: s.task)))

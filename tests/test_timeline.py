@@ -427,3 +427,42 @@ def test_recording_off_creates_no_timing_events(make_pipe: Any) -> None:
     pipe(x).sum().backward()
     assert len(pipe.timeline().spans) > 0
     assert executor.live_timing_events == 0 and executor.live_events == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def test_train_step_is_recorded_for_every_schedule(
+    make_pipe: Any, tmp_path: Path, schedule: str
+) -> None:
+    workers = 2 if schedule == "interleaved" else 4
+    pipe = make_pipe(_mlp(4), [1] * 4, devices=["cpu"] * workers, chunks=3,
+                     checkpoint="except_last", schedule=schedule)  # fmt: skip
+    x = torch.randn(6, 6, dtype=torch.float64)
+    pipe.record_timeline()
+    pipe.train_step(x, x, torch.nn.functional.mse_loss)
+    timeline = pipe.timeline()
+    schedule_run, _ = pipe._pipeline.recorded["step"]
+    assert (timeline.cells, timeline.workers, timeline.schedule) == (4, workers, schedule)
+    assert {s.phase for s in timeline.spans} == {"step"}
+    assert sorted(s.task for s in timeline.spans) == list(range(len(schedule_run.tasks)))
+    kinds = {s.kind for s in timeline.spans}
+    assert {"forward", "loss"} <= kinds
+    split = {"backward_input", "backward_weight"}
+    assert (split <= kinds) == (schedule == "zero_bubble")
+    assert ("backward" in kinds) == (schedule != "zero_bubble")
+    for span in timeline.spans:
+        assert span.worker == span.cell % workers
+    for worker in range(workers):  # each worker runs its program in order, no overlap
+        mine = sorted((s for s in timeline.spans if s.worker == worker), key=lambda s: s.start_s)
+        assert [s.task for s in mine] == schedule_run.order(worker)
+        for before, after in itertools.pairwise(mine):
+            assert before.end_s <= after.start_s
+    assert 0 <= timeline.bubble() < 1
+    path = tmp_path / f"{schedule}.png"
+    pytest.importorskip("matplotlib")
+    timeline.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = tmp_path / f"{schedule}.json"
+    timeline.to_chrome_trace(trace)
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(names) == len(timeline.spans)
+    assert any(name.startswith("L3.") for name in names)  # the loss of cell 3
