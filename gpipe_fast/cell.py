@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -117,7 +118,9 @@ class Cell:
             stack.enter_context(torch.set_grad_enabled(grad))
             randomness = None
             if random:
-                randomness = stack.enter_context(TaskRandomness(task_seed(seed, self.index, microbatch)))
+                randomness = stack.enter_context(
+                    TaskRandomness(task_seed(seed, self.index, microbatch))
+                )
             output = self._forward(value, boundaries)
         if randomness is not None:
             self.random[training] = randomness.used
@@ -132,12 +135,9 @@ class Cell:
             outputs = as_tensors(output, f"the output of layer {type(layer).__name__}")
             boundaries.append((inputs, outputs))
             # The next layer starts a graph of its own: a fresh leaf per output.
-            value = like(
-                [t.detach().requires_grad_(t.requires_grad) for t in outputs], output
-            )
+            value = like([t.detach().requires_grad_(t.requires_grad) for t in outputs], output)
         return value
 
     def layer_parameters(self) -> list[list[Tensor]]:
         """Per layer, its parameters that learn (in module order)."""
         return [[p for p in layer.parameters() if p.requires_grad] for layer in self.module]
-

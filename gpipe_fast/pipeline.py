@@ -175,7 +175,9 @@ class Pipeline:
         count = len(microbatches)
         schedule, flags = self.schedules.train_step(count, checkpoint if training else "never")
         input_needs_grad = [t.requires_grad for t in given]
-        step = Step(self, microbatches, input_needs_grad, flags, True, split=self.kind == "zero_bubble")
+        step = Step(
+            self, microbatches, input_needs_grad, flags, True, split=self.kind == "zero_bubble"
+        )
         context = step.context
         context.loss_fn = loss_fn
         context.targets = targets
@@ -214,7 +216,8 @@ def _accumulate_input_grads(
         if not wanted:
             continue
         pieces = [grads[position] if grads is not None else None for grads in microbatch_grads]
-        if any(p is None for p in pieces):
-            continue
-        grad = torch.cat([p.to(device=tensor.device, dtype=tensor.dtype) for p in pieces])
+        present = [p for p in pieces if p is not None]
+        if len(present) < len(pieces):
+            continue  # the input did not reach the loss: no gradient, as backward() leaves it
+        grad = torch.cat([p.to(device=tensor.device, dtype=tensor.dtype) for p in present])
         torch.autograd.backward(tensor, grad)

@@ -26,8 +26,8 @@ from gpipe_fast.balance import (
     profile_layers,
 )
 from gpipe_fast.checkpoint import recomputed_microbatches
-from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.microbatch import as_tensors
+from gpipe_fast.schedules import ACTIONS
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}

@@ -73,5 +73,7 @@ class ScheduleCache:
         """The fill-drain backward run of loss.backward(), recomputing where flagged."""
         return self._get(
             ("backward", recompute),
-            lambda: _C.gpipe_backward(self.stages, len(recompute), list(recompute), self.stage_workers),
+            lambda: _C.gpipe_backward(
+                self.stages, len(recompute), list(recompute), self.stage_workers
+            ),
         )

@@ -38,7 +38,9 @@ else:
     run_backward = _engine_backward
 
 
-def _aligned(tensors: Sequence[Tensor], wanted: Sequence[Tensor], got: Sequence[Any]) -> tuple[Any, ...]:
+def _aligned(
+    tensors: Sequence[Tensor], wanted: Sequence[Tensor], got: Sequence[Any]
+) -> tuple[Any, ...]:
     """Per tensor of `tensors`, its gradient from `got` (computed for `wanted`, the tensors
     among them that require a gradient), or None."""
     by_id = {id(t): g for t, g in zip(wanted, got, strict=True)}
@@ -73,12 +75,15 @@ class Stage:
         value = step.transport.recv(ACTIVATION, k, m)
         self.copying = False
         tensors = as_tensors(value, "input" if k == 0 else f"output of stage {k - 1}")
+        value = like(tensors, value)  # activations carry no None
         for tensor, needs in zip(tensors, step.input_grad_flags(k, tensors), strict=True):
             tensor.requires_grad_(needs)
         checkpointing = step.track and step.checkpointed[k][m]
         keep_graph = step.track and not checkpointing
         boundaries: list[Boundary] | None = [] if step.split and keep_graph else None
-        output = self._run(value, m, grad=keep_graph, checkpointing=checkpointing, boundaries=boundaries)
+        output = self._run(
+            value, m, grad=keep_graph, checkpointing=checkpointing, boundaries=boundaries
+        )
         as_tensors(output, f"the output of stage {k}")
         if step.track:
             self.inputs[m] = value
@@ -93,7 +98,9 @@ class Stage:
         boundaries: list[Boundary] | None = [] if self.step.split else None
         memory = self.step.pipeline.recompute_memory
         with nullcontext() if memory is None else memory.use(self.index):
-            output = self._run(self.inputs[m], m, grad=True, recomputing=True, boundaries=boundaries)
+            output = self._run(
+                self.inputs[m], m, grad=True, recomputing=True, boundaries=boundaries
+            )
         if boundaries is not None:
             self.boundaries[m] = boundaries
         else:
@@ -104,6 +111,7 @@ class Stage:
         respect to the stage's output, handed to this stage's backward."""
         step = self.step
         output = self.outputs[m]
+        assert output is not None and step.loss_fn is not None, "loss runs after a forward"
         tensors = as_tensors(output, f"the output of stage {self.index}")
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
         if not self.step.track or self.step.checkpointed[self.index][m]:
@@ -156,7 +164,9 @@ class Stage:
             for i in reversed(range(len(boundaries))):
                 inputs, outputs = boundaries[i]
                 pairs = [
-                    (o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad
+                    (o, g)
+                    for o, g in zip(outputs, grads, strict=True)
+                    if g is not None and o.requires_grad
                 ]
                 roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
                 if roots and learning[i]:

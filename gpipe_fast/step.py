@@ -21,12 +21,18 @@ if TYPE_CHECKING:
 LossFn = Callable[[Any, Any], Tensor]
 
 
-def annotate(error: BaseException, stage: int, microbatch: int, action: str, *, copying: bool) -> None:
+def annotate(
+    error: BaseException, stage: int, microbatch: int, action: str, *, copying: bool
+) -> None:
     """Names the cell (stage), micro-batch and action (or the boundary copy into the cell) in
     the error's message, keeping its type."""
     what = f"boundary copy ({action})" if copying else f"{action} pass"
     where = f"gpipe_fast: in cell {stage}, micro-batch {microbatch}, {what}"
-    if error.args and isinstance(error.args[0], str) and not error.args[0].startswith("gpipe_fast:"):
+    if (
+        error.args
+        and isinstance(error.args[0], str)
+        and not error.args[0].startswith("gpipe_fast:")
+    ):
         error.args = (f"{where}: {error.args[0]}", *error.args[1:])
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(where)
@@ -89,7 +95,9 @@ class StepContext:
             if isinstance(target, Tensor):
                 return target.to(device, non_blocking=True)
             if isinstance(target, tuple):
-                return tuple(t.to(device, non_blocking=True) if isinstance(t, Tensor) else t for t in target)
+                return tuple(
+                    t.to(device, non_blocking=True) if isinstance(t, Tensor) else t for t in target
+                )
             return target
 
 
@@ -113,14 +121,19 @@ class Step:
         self.first_input = microbatches[0]
         self.track = track
         self.checkpointed = checkpointed
-        self.context = StepContext(pipeline, self.count, input_needs_grad, checkpointed, track, split)
+        self.context = StepContext(
+            pipeline, self.count, input_needs_grad, checkpointed, track, split
+        )
         cells = pipeline.cells
         self.stages = [
             Stage(cell, self.context, last=k == len(cells) - 1) for k, cell in enumerate(cells)
         ]
         # The dispatch table: handlers[action id][stage] is that stage's method for it.
         self.handlers = [
-            [getattr(stage, name, None) or _missing_action(name, stage.index) for stage in self.stages]
+            [
+                getattr(stage, name, None) or _missing_action(name, stage.index)
+                for stage in self.stages
+            ]
             for name in ACTIONS
         ]
         self.backward_done = False

@@ -27,7 +27,9 @@ def _model(stages: int, width: int = 5, *, dropout: float = 0.0) -> nn.Sequentia
     return nn.Sequential(*layers).double()
 
 
-def _pipe(make_pipe: Any, model: nn.Sequential, stages: int, schedule: str, **kwargs: Any) -> gf.GPipe:
+def _pipe(
+    make_pipe: Any, model: nn.Sequential, stages: int, schedule: str, **kwargs: Any
+) -> gf.GPipe:
     per = len(model) // stages
     devices = ["cpu"] * (stages // 2 if schedule == "interleaved" else stages)
     return make_pipe(model, [per] * stages, devices=devices, schedule=schedule, **kwargs)  # type: ignore[no-any-return]
@@ -237,7 +239,9 @@ def test_pipe_call_and_backward_still_work_on_every_schedule(make_pipe: Any) -> 
          "balance: the interleaved schedule needs len"),
     ],
 )  # fmt: skip
-def test_bad_schedule_arguments(make_pipe: Any, kwargs: dict[str, Any], error: type, match: str) -> None:
+def test_bad_schedule_arguments(
+    make_pipe: Any, kwargs: dict[str, Any], error: type, match: str
+) -> None:
     args = {"balance": [2, 2], "devices": ["cpu", "cpu"], **kwargs}
     with pytest.raises(error, match=match):
         make_pipe(_model(3 if len(args["balance"]) == 3 else 2), **args)
