@@ -72,10 +72,10 @@ class Stage:
     def forward(self, m: int) -> None:
         step, k = self.step, self.index
         self.copying = True
-        value = step.transport.recv(ACTIVATION, k, m)
+        received = step.transport.recv(ACTIVATION, k, m)
         self.copying = False
-        tensors = as_tensors(value, "input" if k == 0 else f"output of stage {k - 1}")
-        value = like(tensors, value)  # activations carry no None
+        tensors = as_tensors(received, "input" if k == 0 else f"output of stage {k - 1}")
+        value = tensors[0] if isinstance(received, Tensor) else tensors
         for tensor, needs in zip(tensors, step.input_grad_flags(k, tensors), strict=True):
             tensor.requires_grad_(needs)
         checkpointing = step.track and step.checkpointed[k][m]
