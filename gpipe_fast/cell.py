@@ -40,6 +40,19 @@ class AutocastState:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
 
 
+def _global_hooks() -> bool:
+    """Whether any module hook was registered for every module (nn.modules.module's
+    register_module_forward_hook and the like)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
+
+
 # A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs.
 Boundary = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
 
@@ -62,6 +75,7 @@ class Cell:
         self.streams = streams
         self.threads = threads
         self.batch_norms = plain_batch_norms(module)
+        self.stream = streams.streams[index]  # None on a CPU cell
         self.prepared = False
         # training mode -> whether the cell drew random numbers; absent means unknown.
         self.random: dict[bool, bool] = {}
@@ -101,15 +115,23 @@ class Cell:
         by one with the graph cut between them, each layer's (input leaves, outputs) appended
         there, so that input and weight gradients can be computed apart (zero bubble). The
         common CPU case skips every part it does not need: this runs on every task."""
-        self.prepare_worker()
+        if not self.prepared:
+            self.prepare_worker()
         training = self.module.training
         random = self.random.get(training, True)
         batch_norms = self.batch_norms if recomputing else []
         flags = pass_flags(checkpointing=checkpointing, recomputing=recomputing)
-        stream = self.streams.streams[self.index]
-        if not (random or batch_norms or autocast.enabled or stream is not None):
-            with flags, torch.set_grad_enabled(grad):
-                return self._forward(value, boundaries)
+        if not (random or batch_norms or autocast.enabled or self.stream is not None):
+            # The common CPU case, on every task: the flags and grad mode without contexts.
+            previous = torch.is_grad_enabled()
+            if previous != grad:
+                torch._C._set_grad_enabled(grad)
+            try:
+                with flags:
+                    return self._forward(value, boundaries)
+            finally:
+                if previous != grad:
+                    torch._C._set_grad_enabled(previous)
         with ExitStack() as stack:
             stack.enter_context(self.streams.on(self.index))
             autocast.enter(stack)
@@ -127,8 +149,13 @@ class Cell:
         return output
 
     def _forward(self, value: Value, boundaries: list[Boundary] | None) -> Value:
+        module = self.module
         if boundaries is None:
-            return self.module(value)  # type: ignore[no-any-return]
+            if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+                return module(value)  # type: ignore[no-any-return]
+            # No hook on the cell itself (its layers' hooks run as ever): skip __call__'s
+            # frames, a few microseconds on every task.
+            return module.forward(value)  # type: ignore[no-any-return]
         for layer in self.module:
             inputs = as_tensors(value, "a layer's input")
             output = layer(value)

@@ -18,12 +18,11 @@ if TYPE_CHECKING:
 
 
 def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-    """torch.autograd.backward without its argument checks, which cost ~20 us a call (a
-    symbolic shape comparison per root); here roots and gradients come from the pipe itself
-    and match by construction. Falls back to the public call if torch moves the entry point."""
-    _engine_run_backward(
-        tuple(roots), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True
-    )
+    """torch.autograd.backward straight into the engine: the public call checks its
+    arguments (~20 us a call: a symbolic shape comparison per root) and the private wrapper
+    adds a few more; here roots and gradients come from the pipe itself and match by
+    construction. Falls back to the public call if torch moves the entry point."""
+    _run_engine(tuple(roots), tuple(grads), False, False, (), True, True)
 
 
 def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -31,8 +30,8 @@ def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
 
 
 try:
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - older or newer torch without the private helper
+    _run_engine = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - a torch without the engine handle
     run_backward = _public_backward
 else:
     run_backward = _engine_backward
@@ -146,8 +145,11 @@ class Stage:
                 roots.append(output)
                 root_grads.append(grad)
         if roots:
-            with self.cell.streams.on(self.index), torch.enable_grad():
-                run_backward(roots, root_grads)
+            if self.cell.stream is None and torch.is_grad_enabled():
+                run_backward(roots, root_grads)  # the common CPU case: no context to enter
+            else:
+                with self.cell.streams.on(self.index), torch.enable_grad():
+                    run_backward(roots, root_grads)
         inputs = as_tensors(self.inputs[m], "input")
         self._pass_back(m, tuple(t.grad if t.requires_grad else None for t in inputs))
 

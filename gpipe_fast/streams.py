@@ -75,7 +75,9 @@ class CellStreams:
         loss gradient) is read in place when it is already on `device`."""
         stream = self.streams[cell]
         if stream is None:
-            return tensor.to(device)
+            # A CPU cell: a CPU tensor is handed over as it is (the common case, on every
+            # task: .to() would cost microseconds to say so).
+            return tensor if tensor.is_cpu and device.type == "cpu" else tensor.to(device)
         if not tensor.is_cuda or (from_caller and tensor.device == device):
             if tensor.is_cuda:
                 tensor.record_stream(stream)  # the caller's block must outlive this stream's read
