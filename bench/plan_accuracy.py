@@ -26,7 +26,7 @@ from torch import nn
 import gpipe_fast as gf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reporting import markdown_table  # noqa: E402
+from reporting import markdown_table
 
 SCHEDULES = (("gpipe", 2, 2), ("1f1b", 2, 2), ("zero_bubble", 2, 2), ("interleaved", 4, 2))
 
@@ -103,10 +103,21 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = [row for workload in WORKLOADS for row in measure(workload, args.rounds)]
-    header = ["workload", "schedule", "predicted ms", "measured ms (median)", "predicted / measured"]
+    header = [
+        "workload",
+        "schedule",
+        "predicted ms",
+        "measured ms (median)",
+        "predicted / measured",
+    ]
     table = [
-        [r["workload"], r["schedule"], f"{r['predicted_ms']:.1f}", f"{r['measured_ms']:.1f}",
-         f"{r['ratio']:.2f}"]  # fmt: skip
+        [
+            r["workload"],
+            r["schedule"],
+            f"{r['predicted_ms']:.1f}",
+            f"{r['measured_ms']:.1f}",
+            f"{r['ratio']:.2f}",
+        ]  # fmt: skip
         for r in rows
     ]
     print(markdown_table(header, table))
