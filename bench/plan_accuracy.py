@@ -117,7 +117,7 @@ def main() -> int:
             f"{r['predicted_ms']:.1f}",
             f"{r['measured_ms']:.1f}",
             f"{r['ratio']:.2f}",
-        ]  # fmt: skip
+        ]
         for r in rows
     ]
     print(markdown_table(header, table))
