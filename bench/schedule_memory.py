@@ -24,7 +24,7 @@ from gpipe_fast import _C
 from gpipe_fast.predict import StageCosts, predict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reporting import markdown_table  # noqa: E402
+from reporting import markdown_table
 
 WORKERS, CHUNKS = 4, 8
 
