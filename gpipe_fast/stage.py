@@ -29,12 +29,25 @@ def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     torch.autograd.backward(list(roots), list(grads))
 
 
+def _engine_grad(
+    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
+) -> tuple[Tensor | None, ...]:
+    """torch.autograd.grad(allow_unused=True) straight into the engine, as above."""
+    return _run_engine(tuple(roots), tuple(grads), retain, False, tuple(inputs), True, False)  # type: ignore[no-any-return]
+
+
+def _public_grad(
+    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
+) -> tuple[Tensor | None, ...]:
+    return torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
+
+
 try:
     _run_engine = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
 except AttributeError:  # pragma: no cover - a torch without the engine handle
-    run_backward = _public_backward
+    run_backward, run_grad = _public_backward, _public_grad
 else:
-    run_backward = _engine_backward
+    run_backward, run_grad = _engine_backward, _engine_grad
 
 
 def _aligned(
@@ -117,9 +130,12 @@ class Stage:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
         target = step.target(self.index, m)
         with ExitStack() as stack:
-            stack.enter_context(self.cell.streams.on(self.index))
-            step.autocast.enter(stack)
-            stack.enter_context(torch.enable_grad())
+            if self.cell.stream is not None:
+                stack.enter_context(self.cell.streams.on(self.index))
+            if step.autocast.enabled:
+                step.autocast.enter(stack)
+            if not torch.is_grad_enabled():
+                stack.enter_context(torch.enable_grad())
             value = step.loss_fn(like(leaves, output), target)
             if not isinstance(value, Tensor) or value.dim() != 0:
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
@@ -127,13 +143,14 @@ class Stage:
                     f"loss_fn must return a scalar (0-dim) tensor, the loss of its micro-batch; "
                     f"got {shape}"
                 )
-            weighted = value * step.loss_weights[m]
+            # The weight enters as the loss's incoming gradient: no extra op in the graph.
+            weight = step.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
             grads: tuple[Any, ...] = (None,) * len(leaves)
-            if weighted.requires_grad and wanted:
-                got = torch.autograd.grad(weighted, wanted, allow_unused=True)
-                grads = _aligned(leaves, wanted, got)
-        step.losses[m] = weighted.detach()
+            if value.requires_grad and wanted:
+                seed = torch.full_like(value, weight)
+                grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
+        step.losses[m] = value.detach() * weight if weight != 1.0 else value.detach()
         step.transport.deliver(GRADIENT, self.index, m, grads)
 
     def backward(self, m: int) -> None:
@@ -175,9 +192,7 @@ class Stage:
                     weight_roots.append((roots, root_grads))
                 wanted = [t for t in inputs if t.requires_grad]
                 if roots and wanted:
-                    got = torch.autograd.grad(
-                        roots, wanted, root_grads, retain_graph=bool(learning[i]), allow_unused=True
-                    )
+                    got = run_grad(roots, root_grads, wanted, bool(learning[i]))
                     grads = _aligned(inputs, wanted, got)
                 else:
                     grads = (None,) * len(inputs)

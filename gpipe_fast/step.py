@@ -91,6 +91,8 @@ class StepContext:
         """Micro-batch m's target on `stage`'s device."""
         device = self.pipeline.devices[stage]
         target = self.targets[m]
+        if isinstance(target, Tensor) and target.is_cpu and device.type == "cpu":
+            return target  # the common CPU case, on every loss task
         with self.pipeline.streams.on(stage):
             if isinstance(target, Tensor):
                 return target.to(device, non_blocking=True)
