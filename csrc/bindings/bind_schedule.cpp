@@ -9,6 +9,7 @@
 #include "bindings.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/lower.hpp"
 #include "gpipe_fast/schedule.hpp"
 
 namespace py = pybind11;
@@ -132,6 +133,40 @@ void bind_schedule(py::module_& m) {
       py::arg("stage_workers") = std::vector<int>{},
       "GPipe fill-drain backward, last micro-batch first, flagged micro-batches recomputed ahead.");
 
+  m.def(
+      "rank_schedule",
+      [](const std::string& kind, int stages, int workers, int microbatches,
+         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank) {
+        std::vector<int> stage_workers;
+        for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
+        const Lowered lowered =
+            lower(make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)),
+                  stages, microbatches, stage_workers, std::move(worker_ranks), reduce_grad);
+        link_all(lowered, stages, microbatches).validate();  // every rank at once: no deadlock
+        auto schedule = std::make_shared<Schedule>(link_rank(lowered, stages, microbatches, rank));
+        schedule->validate();
+        return schedule;
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
+      py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"), py::arg("rank"),
+      "Rank `rank`'s schedule of a kind lowered onto ranks (compute worker w on "
+      "worker_ranks[w]): its compute workers, then its communication worker (sends, receives, "
+      "gradient reductions). Dry-run first across every rank.");
+  m.def(
+      "lowered_program",
+      [](const std::string& kind, int stages, int workers, int microbatches,
+         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad) {
+        std::vector<int> stage_workers;
+        for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
+        const Lowered lowered =
+            lower(make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)),
+                  stages, microbatches, stage_workers, std::move(worker_ranks), reduce_grad);
+        return py::make_tuple(to_python(lowered.program), lowered.worker_rank);
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
+      py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"),
+      "Every worker's lowered program and rank: compute workers, then one communication "
+      "worker per rank.");
   m.def(
       "dry_run",
       [](const Schedule& schedule) {

@@ -42,7 +42,17 @@ std::vector<Need> send_backward_needs(const TaskKey& t, int, int) {
   return {{{{Backward, t.stage, t.microbatch}, {BackwardInput, t.stage, t.microbatch}}}};
 }
 
-std::vector<Need> nothing(const TaskKey&, int, int) { return {}; }
+// A receive is matched by its sender on another process: a dependency only in a schedule
+// that holds both (the all-process schedule a dry run checks), dropped in one process's own.
+std::vector<Need> recv_forward_needs(const TaskKey& t, int, int) {
+  if (t.stage == 0) return {};
+  return {Need{{{SendForward, t.stage - 1, t.microbatch}}, false}};
+}
+
+std::vector<Need> recv_backward_needs(const TaskKey& t, int stages, int) {
+  if (t.stage == stages - 1) return {};
+  return {Need{{{SendBackward, t.stage + 1, t.microbatch}}, false}};
+}
 
 // A stage's gradients are reduced once all its micro-batches' weight gradients are in.
 std::vector<Need> reduce_needs(const TaskKey& t, int, int microbatches) {
@@ -68,18 +78,18 @@ Registry& registry() {
                         {"backward_input", backward_needs},
                         {"backward_weight", weight_needs},
                         {"loss", own_forward},
-                        {"send_forward", own_forward},
-                        {"recv_forward", nothing},
-                        {"send_backward", send_backward_needs},
-                        {"recv_backward", nothing},
-                        {"reduce_grad", reduce_needs},
+                        {"send_forward", own_forward, true},
+                        {"recv_forward", recv_forward_needs, true},
+                        {"send_backward", send_backward_needs, true},
+                        {"recv_backward", recv_backward_needs, true},
+                        {"reduce_grad", reduce_needs, true},
                     }};
   return r;
 }
 
 }  // namespace
 
-ActionId register_action(const std::string& name, NeedsRule needs) {
+ActionId register_action(const std::string& name, NeedsRule needs, bool communication) {
   GF_EXPECTS(!name.empty(), "an action needs a name");
   GF_EXPECTS(needs != nullptr, "action '" + name + "' needs a dependency rule");
   Registry& r = registry();
@@ -87,7 +97,7 @@ ActionId register_action(const std::string& name, NeedsRule needs) {
   for (const auto& info : r.actions) {
     GF_EXPECTS(info.name != name, "action '" + name + "' is already registered");
   }
-  r.actions.push_back({name, needs});
+  r.actions.push_back({name, needs, communication});
   return static_cast<ActionId>(r.actions.size() - 1);
 }
 

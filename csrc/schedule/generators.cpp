@@ -85,11 +85,9 @@ Checkpoint parse_checkpoint(const std::string& name) {
 
 Schedule link(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
               std::vector<ActionId> given) {
-  Schedule schedule(stages, microbatches, std::move(stage_worker));
+  Schedule schedule(stages, microbatches, std::move(stage_worker),
+                    static_cast<int>(program.size()));
   schedule.set_given(std::move(given));
-  GF_EXPECTS(program.size() == static_cast<std::size_t>(schedule.workers()),
-             "the program has " + std::to_string(program.size()) + " workers, the stages map to " +
-                 std::to_string(schedule.workers()));
   // Ids in worker-major order, known before any task is added so deps can point forward.
   std::unordered_map<TaskKey, int, KeyHash> id_of;
   int next = 0;
@@ -97,7 +95,8 @@ Schedule link(const Program& program, int stages, int microbatches, std::vector<
     for (const TaskKey& key : program[worker]) {
       GF_EXPECTS(key.stage >= 0 && key.stage < stages,
                  describe(key) + ": stage out of range [0, " + std::to_string(stages) + ")");
-      GF_EXPECTS(schedule.worker_of(key.stage) == static_cast<int>(worker),
+      GF_EXPECTS(action_info(key.action).communication ||
+                     schedule.worker_of(key.stage) == static_cast<int>(worker),
                  describe(key) + " is in worker " + std::to_string(worker) +
                      "'s program, but its stage runs on worker " +
                      std::to_string(schedule.worker_of(key.stage)));
@@ -105,8 +104,8 @@ Schedule link(const Program& program, int stages, int microbatches, std::vector<
       ++next;
     }
   }
-  for (const auto& order : program) {
-    for (const TaskKey& key : order) {
+  for (int worker = 0; worker < static_cast<int>(program.size()); ++worker) {
+    for (const TaskKey& key : program[static_cast<std::size_t>(worker)]) {
       std::vector<int> deps;
       for (const Need& need : action_info(key.action).needs(key, stages, microbatches)) {
         int found = -1;
@@ -128,7 +127,7 @@ Schedule link(const Program& program, int stages, int microbatches, std::vector<
                    describe(key) + " needs " + describe(need.any_of.front()) +
                        ", which the program does not hold");
       }
-      schedule.add(key.action, key.stage, key.microbatch, std::move(deps));
+      schedule.add(key.action, key.stage, key.microbatch, std::move(deps), worker);
     }
   }
   return schedule;

@@ -17,26 +17,34 @@ std::string task_name(const Schedule& schedule, int id) {
 
 }  // namespace
 
-Schedule::Schedule(int stages, int microbatches, std::vector<int> stage_worker)
+Schedule::Schedule(int stages, int microbatches, std::vector<int> stage_worker, int workers)
     : stages_(stages), microbatches_(microbatches), stage_worker_(std::move(stage_worker)) {
   GF_EXPECTS(stages >= 1, "stages must be >= 1, got " + std::to_string(stages));
   GF_EXPECTS(microbatches >= 1, "microbatches must be >= 1, got " + std::to_string(microbatches));
+  GF_EXPECTS(workers >= 0, "workers must be >= 0, got " + std::to_string(workers));
   if (stage_worker_.empty()) {
     for (int s = 0; s < stages; ++s) stage_worker_.push_back(s);
   }
   GF_EXPECTS(stage_worker_.size() == static_cast<std::size_t>(stages),
              "stage_worker needs one worker per stage: got " +
                  std::to_string(stage_worker_.size()) + " for " + std::to_string(stages));
-  int workers = 0;
+  int needed = 0;
   for (int worker : stage_worker_) {
-    GF_EXPECTS(worker >= 0, "stage_worker entries must be >= 0, got " + std::to_string(worker));
-    workers = std::max(workers, worker + 1);
+    GF_EXPECTS(worker >= -1, "stage_worker entries must be >= -1, got " + std::to_string(worker));
+    needed = std::max(needed, worker + 1);
   }
+  if (workers == 0) {
+    // Derived: the stages' workers, each with a stage.
+    for (int worker = 0; worker < needed; ++worker) {
+      GF_EXPECTS(std::find(stage_worker_.begin(), stage_worker_.end(), worker) != stage_worker_.end(),
+                 "worker " + std::to_string(worker) + " has no stage");
+    }
+    workers = needed;
+  }
+  GF_EXPECTS(workers >= std::max(needed, 1),
+             "workers (" + std::to_string(workers) + ") must cover the stages' workers (" +
+                 std::to_string(needed) + ")");
   order_.resize(static_cast<std::size_t>(workers));
-  for (int worker = 0; worker < workers; ++worker) {
-    GF_EXPECTS(std::find(stage_worker_.begin(), stage_worker_.end(), worker) != stage_worker_.end(),
-               "worker " + std::to_string(worker) + " has no stage");
-  }
 }
 
 int Schedule::worker_of(int stage) const {
@@ -44,13 +52,20 @@ int Schedule::worker_of(int stage) const {
   return stage_worker_[static_cast<std::size_t>(stage)];
 }
 
-int Schedule::add(ActionId action, int stage, int microbatch, std::vector<int> deps) {
-  action_info(action);  // throws for an unknown action
+int Schedule::add(ActionId action, int stage, int microbatch, std::vector<int> deps, int worker) {
+  const ActionInfo& info = action_info(action);  // throws for an unknown action
   GF_EXPECTS(stage >= 0 && stage < stages_, "stage " + std::to_string(stage) + " out of range");
   GF_EXPECTS(microbatch >= 0 && microbatch < microbatches_,
              "microbatch " + std::to_string(microbatch) + " out of range");
+  const int home = worker_of(stage);
+  GF_EXPECTS(home >= 0, describe(TaskKey{action, stage, microbatch}) +
+                            ": its stage runs in another process");
+  if (worker < 0) worker = home;
+  GF_EXPECTS(worker < workers(), "worker " + std::to_string(worker) + " out of range");
+  GF_EXPECTS(info.communication || worker == home,
+             describe(TaskKey{action, stage, microbatch}) + " must run on its stage's worker " +
+                 std::to_string(home) + ", not " + std::to_string(worker));
   const int id = static_cast<int>(tasks_.size());
-  const int worker = worker_of(stage);
   tasks_.push_back(Task{action, stage, microbatch, worker, std::move(deps)});
   order_[static_cast<std::size_t>(worker)].push_back(id);
   validated_ = false;

@@ -51,10 +51,13 @@ using NeedsRule = std::vector<Need> (*)(const TaskKey& task, int stages, int mic
 struct ActionInfo {
   std::string name;  // snake_case; Python dispatches on it (Stage.<name>)
   NeedsRule needs;
+  // Communication (send, recv, reduce) runs on a process's communication worker, not on
+  // its stage's compute worker, so that it overlaps with compute.
+  bool communication = false;
 };
 
 // Adds an action and returns its id; InvalidArgument if the name is taken or empty.
-ActionId register_action(const std::string& name, NeedsRule needs);
+ActionId register_action(const std::string& name, NeedsRule needs, bool communication = false);
 const ActionInfo& action_info(ActionId id);  // InvalidArgument for an unknown id
 std::optional<ActionId> find_action(const std::string& name);
 int action_count();

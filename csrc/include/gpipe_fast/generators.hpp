@@ -19,8 +19,9 @@ enum class Checkpoint { Never, ExceptLast, Always };
 Checkpoint parse_checkpoint(const std::string& name);
 
 // A schedule running `program`, with each task's dependencies from its action's rule.
-// Stage s runs on worker stage_worker[s] (empty: one worker per stage), and program[w] must
-// hold only worker w's stages. `given` actions are done before the run.
+// Stage s runs on worker stage_worker[s] (empty: one worker per stage; -1: in another
+// process), program[w] runs on worker w and holds only worker w's stages' compute tasks
+// (communication tasks may run on any worker). `given` actions are done before the run.
 Schedule link(const Program& program, int stages, int microbatches,
               std::vector<int> stage_worker = {}, std::vector<ActionId> given = {});
 

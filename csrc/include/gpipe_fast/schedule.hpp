@@ -20,17 +20,20 @@ struct Task {
   TaskKey key() const { return {action, stage, microbatch}; }
 };
 
-// A DAG of tasks plus, for each worker, the order it runs them in. Stages map to workers
-// (several stages per worker in interleaved schedules). The executor only reads this
-// structure, so any schedule that can be written as per-worker task lists with cross-worker
-// dependencies runs unchanged.
+// A DAG of tasks plus, for each worker, the order it runs them in. Stages map to compute
+// workers (several stages per worker in interleaved schedules); communication tasks may run
+// on further workers. The executor only reads this structure, so any schedule that can be
+// written as per-worker task lists with cross-worker dependencies runs unchanged.
 class Schedule {
  public:
-  // `stage_worker[s]` is the worker of stage s; empty means one worker per stage.
-  Schedule(int stages, int microbatches, std::vector<int> stage_worker = {});
+  // `stage_worker[s]` is the worker of stage s (-1: a stage of another process, which
+  // this schedule holds no task of); empty means one worker per stage. `workers`: how many
+  // workers in all, at least enough for the stages (0: just those).
+  Schedule(int stages, int microbatches, std::vector<int> stage_worker = {}, int workers = 0);
 
-  // Appends a task to its stage's worker's order and returns its id.
-  int add(ActionId action, int stage, int microbatch, std::vector<int> deps = {});
+  // Appends a task to a worker's order and returns its id: a communication task to
+  // `worker`, any other to its stage's worker (`worker`, if given, must be that one).
+  int add(ActionId action, int stage, int microbatch, std::vector<int> deps = {}, int worker = -1);
 
   int stages() const { return stages_; }
   int workers() const { return static_cast<int>(order_.size()); }
