@@ -1,41 +1,69 @@
-"""The demo job: trains a deep MLP on synthetic data through GPipe and reports what it saw."""
+"""The demo job: trains a deep MLP through GPipe and the plain model side by side, and says
+where the pipelined step's time went."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import statistics
 import sys
+import textwrap
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
-from gpipe_fast.timeline import Phase
+from gpipe_fast import demo_report as report
+
+_INPUTS = 32  # features of the synthetic data
+_RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
+
+Batch = tuple[Tensor, Tensor]
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+# The defaults make each task's compute dominate eager PyTorch's per-op overhead (~10 us):
+# micro-batches of 1024 / 8 = 128 rows through Linear(512) layers are a few ms per task
+# (rows of 16 through Linear(256) were mostly overhead). 9 hidden layers give each of 2
+# cells 4 of the 512 x 512 layers, so the cells balance; a default run takes seconds.
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gpipe_fast demo",
         description="Train a deep MLP on synthetic data (a fixed random teacher network) with "
-        "GPipe over the devices present: all GPUs, or K CPU cells.",
+        "GPipe over the devices present (all GPUs, or K CPU cells) and, on the same data in "
+        "alternating blocks of steps, the plain model on all cores (or one GPU); then explain "
+        "the throughputs from one step's timeline.",
     )
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     parser.add_argument(
         "--cells",
         type=int,
         default=None,
         help="K, cells (default: number of GPUs, else 2 CPU cells)",
     )
-    parser.add_argument("--chunks", type=int, default=8, help="M, micro-batches (default 8)")
+    parser.add_argument("--chunks", type=_positive, default=8, help="M, micro-batches (default 8)")
     parser.add_argument(
         "--checkpoint", choices=["always", "except_last", "never"], default="except_last"
     )
-    parser.add_argument("--width", type=int, default=256, help="hidden width (default 256)")
-    parser.add_argument("--depth", type=int, default=8, help="hidden layers (default 8)")
-    parser.add_argument("--batch", type=int, default=128, help="mini-batch size (default 128)")
+    parser.add_argument("--width", type=_positive, default=512, help="hidden width (default 512)")
+    parser.add_argument("--depth", type=_positive, default=9, help="hidden layers (default 9)")
+    parser.add_argument(
+        "--batch", type=_positive, default=1024, help="mini-batch size (default 1024)"
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -48,12 +76,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# -- the workload -----------------------------------------------------------------------------
+
+
 def _model(width: int, depth: int, inputs: int) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Linear(inputs, width), nn.Tanh()]
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), nn.Tanh()]
     layers.append(nn.Linear(width, 1))
     return nn.Sequential(*layers)
+
+
+def _cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _devices(cells: int | None) -> list[torch.device]:
@@ -64,32 +99,97 @@ def _devices(cells: int | None) -> list[torch.device]:
     return [torch.device("cpu")] * (cells or 2)
 
 
-def _train(
-    model: nn.Module,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
-    lr: float,
-    device: torch.device,
-    progress: tqdm | None,
-) -> tuple[list[float], float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    losses = []
-    start = time.perf_counter()
-    for x, y in data:
-        optimizer.zero_grad(set_to_none=True)
-        out = model(x)
-        loss = nn.functional.mse_loss(out, y.to(out.device))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{losses[-1]:.4f}")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return losses, time.perf_counter() - start
+def _data(steps: int, batch: int, device: torch.device) -> list[Batch]:
+    """One mini-batch per step: random inputs and a fixed random teacher's outputs."""
+    teacher = _model(64, 3, _INPUTS).requires_grad_(False)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(batch, _INPUTS)
+        data.append((x.to(device), teacher(x)))
+    return data
 
 
-def _record_step(pipe: gf.GPipe, x: torch.Tensor, y: torch.Tensor) -> gf.Timeline:
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def _rival(devices: Sequence[torch.device]) -> str:
+    """Where the plain model trains, in words."""
+    if devices[0].type == "cuda":
+        return f"one GPU, {devices[0]}"
+    threads = _plural(torch.get_num_threads(), "intra-op thread")
+    return f"{_plural(_cpu_cores(), 'core')} with torch's default of {threads}"
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = nn.functional.mse_loss(out, y.to(out.device))
+    loss.backward()
+    optimizer.step()
+    return loss.item()  # waits for the step, on a GPU too
+
+
+@dataclass
+class _Trainee:
+    """A model in training: its losses, and the seconds per step of each timed block."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # one per timed block
+
+    @classmethod
+    def sgd(cls, name: str, model: nn.Module, lr: float) -> _Trainee:
+        return cls(name, model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+
+    def train(self, batches: Sequence[Batch], timed: bool) -> None:
+        start = time.perf_counter()
+        for x, y in batches:
+            self.losses.append(_train_step(self.model, self.optimizer, x, y))
+        if timed:
+            self.step_seconds.append((time.perf_counter() - start) / len(batches))
+
+    def throughput(self, batch: int) -> float:
+        """Samples per second, from the median block."""
+        return batch / statistics.median(self.step_seconds)
+
+    def loss_drop(self) -> tuple[float, float, int]:
+        """Mean loss of the first and of the last steps, and how many steps each."""
+        window = max(1, min(10, len(self.losses) // 2))  # short runs: first half vs last half
+        first = sum(self.losses[:window]) / window
+        return first, sum(self.losses[-window:]) / window, window
+
+
+def _block_steps(steps: int) -> int:
+    """Steps per block: about ten blocks, so that noise on a shared machine hits both."""
+    return max(1, min(5, steps // 10))
+
+
+def _train_side_by_side(trainees: Sequence[_Trainee], data: Sequence[Batch]) -> int:
+    """Trains each model on every batch, in alternating blocks of steps (the order flipped
+    each block), timing every block but the first (warm-up). Returns the timed blocks."""
+    size = _block_steps(len(data))
+    blocks = [data[i : i + size] for i in range(0, len(data), size)]
+    names = " + ".join(t.name for t in trainees)
+    with tqdm(total=len(data), desc=names, unit="step") as progress:
+        for b, block in enumerate(blocks):
+            order = trainees if b % 2 == 0 else list(reversed(trainees))
+            for trainee in order:
+                trainee.train(block, timed=b > 0 or len(blocks) == 1)
+            progress.update(len(block))
+            progress.set_postfix(loss=" / ".join(f"{t.losses[-1]:.4f}" for t in trainees))
+    return len(trainees[0].step_seconds)
+
+
+# -- the step's timeline ----------------------------------------------------------------------
+
+
+def _record_step(pipe: gf.GPipe, x: Tensor, y: Tensor) -> gf.Timeline:
     """One more forward and backward with the timeline recorded (no optimizer step)."""
     pipe.record_timeline()
     out = pipe(x)
@@ -98,6 +198,11 @@ def _record_step(pipe: gf.GPipe, x: torch.Tensor, y: torch.Tensor) -> gf.Timelin
     pipe.record_timeline(False)
     pipe.zero_grad(set_to_none=True)
     return timeline
+
+
+def _median_step(pipe: gf.GPipe, x: Tensor, y: Tensor) -> gf.Timeline:
+    recorded = [_record_step(pipe, x, y) for _ in range(_RECORDED_STEPS)]
+    return sorted(recorded, key=lambda timeline: timeline.makespan)[len(recorded) // 2]
 
 
 def _write_timeline(timeline: gf.Timeline, out: Path) -> None:
@@ -115,6 +220,21 @@ def _write_timeline(timeline: gf.Timeline, out: Path) -> None:
     print(f"timeline picture: {picture}")
 
 
+def _plain_work(model: nn.Module, x: Tensor) -> float:
+    """The plain model's forward and backward on one mini-batch, timed alone (seconds)."""
+    alone = report.time_cell_alone(model, x, needs_input_grad=False, threads=None, repeats=3)
+    model.zero_grad(set_to_none=True)
+    return alone.forward_grad + alone.backward
+
+
+# -- printing ---------------------------------------------------------------------------------
+
+
+def _say(text: str) -> None:
+    """Prints a paragraph wrapped to 100 columns, its later lines indented."""
+    print(textwrap.fill(text, 100, subsequent_indent="  ", break_long_words=False))
+
+
 def _peak_rss_mib() -> float | None:
     """The process's peak resident set size, where the platform reports it."""
     try:
@@ -125,21 +245,93 @@ def _peak_rss_mib() -> float | None:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
 
 
+def _print_setup(
+    pipe: gf.GPipe, model: nn.Sequential, args: argparse.Namespace, rival: str
+) -> None:
+    threads = pipe.threads_per_cell
+    _say(
+        f"gpipe_fast demo: {len(model)} layers, {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters, K={len(pipe.balance)} cells {pipe.balance} on "
+        f"{[str(d) for d in pipe.devices]}, M={args.chunks}, checkpoint={args.checkpoint!r}, "
+        f"threads per cell: {'default' if threads is None else threads}"
+    )
+    _say(
+        f"against the plain model on {rival}: same initial weights, data and optimizer, "
+        f"trained in alternating blocks of {_plural(_block_steps(args.steps), 'step')}"
+    )
+
+
+def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> float:
+    """Prints the losses and throughputs; returns gpipe_fast's throughput over the rival's."""
+    drops = [t.loss_drop() for t in trainees]
+    window = drops[0][2]
+    _say(
+        "loss: "
+        + ", ".join(
+            f"{t.name} {d[0]:.4f} -> {d[1]:.4f}" for t, d in zip(trainees, drops, strict=True)
+        )
+        + f" (mean of the first and of the last {window} steps)"
+    )
+    pipe, plain = (t.throughput(batch) for t in trainees)
+    _say(
+        f"throughput: gpipe_fast {pipe:,.0f} samples/s, plain model {plain:,.0f} samples/s: "
+        f"{pipe / plain:.2f}x (median of {blocks} timed blocks each)"
+    )
+    return pipe / plain
+
+
+def _print_step(
+    timeline: gf.Timeline, cells: Sequence[report.CellBreakdown], simulated: float
+) -> None:
+    _say(
+        f"one step of gpipe_fast (the median of {_RECORDED_STEPS} recorded): makespan "
+        f"{timeline.makespan * 1e3:.1f} ms, per cell: compute and recompute timed alone "
+        f"outside the pipe; overhead, the tasks' time beyond that (the GIL, cores taken by "
+        f"other work) and hand-offs between tasks; idle, waiting for the other cells"
+    )
+    print(report.format_breakdown(cells))
+    handoffs = report.total_share(cells, lambda c: c.handoff_s)
+    _say(
+        f"bubble: measured {timeline.bubble():.1%} of cell time (idle and hand-offs: "
+        f"{timeline.bubble() - handoffs:.1%} + {handoffs:.1%}), ideal "
+        f"{timeline.ideal_bubble:.1%} for K={timeline.cells}, M={timeline.microbatches} "
+        f"((K-1)/(M+K-1)), {simulated:.1%} with these cells' costs timed alone"
+    )
+
+
+def _print_load(cores: int) -> None:
+    """Says so when other work shared the cores as the demo started: its timings are noisy."""
+    if not hasattr(os, "getloadavg"):
+        return
+    load = os.getloadavg()[0]
+    if load >= 0.5 * cores:
+        _say(
+            f"note: load average {load:.1f} on {cores} cores when the demo started: other work "
+            f"shares the cores, so these timings are noisy"
+        )
+
+
+def _print_memory(pipe: gf.GPipe) -> None:
+    rss = _peak_rss_mib()
+    if rss is not None:
+        print(f"peak RSS of the process: {rss:.1f} MiB")
+    if torch.cuda.is_available():
+        peak = max(torch.cuda.max_memory_allocated(d) for d in pipe.devices)
+        print(f"peak GPU memory allocated: {peak / 2**20:.1f} MiB")
+
+
+# -- the job ----------------------------------------------------------------------------------
+
+
 def run_demo(argv: list[str]) -> int:
+    """Runs the demo; 0 when gpipe_fast's loss went down."""
     args = _parser().parse_args(argv)
     torch.manual_seed(args.seed)
     devices = _devices(args.cells)
-    inputs = 32
-    teacher = _model(64, 3, inputs).requires_grad_(False)
-    data = []
-    for _ in range(args.steps):
-        x = torch.randn(args.batch, inputs)
-        data.append((x.to(devices[0]), teacher(x)))
-
-    model = _model(args.width, args.depth, inputs)
-    baseline = copy.deepcopy(model).to(devices[0])
-    layers = len(model)
-    cells = min(len(devices), layers)
+    data = _data(args.steps, args.batch, devices[0])
+    model = _model(args.width, args.depth, _INPUTS)
+    plain = copy.deepcopy(model).to(devices[0])  # the same initial weights
+    cells = min(len(devices), len(model))
     pipe = gf.GPipe(
         model,
         gf.balance_by_params(cells, model),
@@ -147,46 +339,34 @@ def run_demo(argv: list[str]) -> int:
         chunks=args.chunks,
         checkpoint=args.checkpoint,
     )
-    print(
-        f"gpipe_fast demo: {layers} layers, {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters, K={cells} cells {pipe.balance} on {[str(d) for d in pipe.devices]}, "
-        f"M={args.chunks}, checkpoint={args.checkpoint!r}"
-    )
+    try:
+        _print_load(_cpu_cores())
+        rival = _rival(devices)
+        _print_setup(pipe, model, args, rival)
+        trainees = [
+            _Trainee.sgd("gpipe_fast", pipe, args.lr),
+            _Trainee.sgd("plain model", plain, args.lr),
+        ]
+        blocks = _train_side_by_side(trainees, data)
+        ratio = _print_training(trainees, args.batch, blocks)
 
-    with tqdm(total=args.steps, desc="gpipe_fast", unit="step") as progress:
-        losses, seconds = _train(pipe, data, args.lr, pipe.devices[-1], progress)
-    timeline = _record_step(pipe, *data[-1])
-    baseline_steps = max(10, args.steps // 4)
-    with tqdm(total=baseline_steps, desc="unpipelined", unit="step") as progress:
-        _, baseline_seconds = _train(baseline, data[:baseline_steps], args.lr, devices[0], progress)
-    pipe.close()
-
-    window = max(1, min(10, len(losses) // 2))  # short runs: first half vs last half
-    first = sum(losses[:window]) / window
-    last = sum(losses[-window:]) / window
-    throughput = args.steps * args.batch / seconds
-    baseline_throughput = baseline_steps * args.batch / baseline_seconds
-    print(f"loss: {first:.4f} (first {window} steps) -> {last:.4f} (last {window} steps)")
-    print(
-        f"throughput: gpipe_fast {throughput:,.0f} samples/s, unpipelined "
-        f"{baseline_throughput:,.0f} samples/s ({throughput / baseline_throughput:.2f}x)"
-    )
-    print(
-        f"bubble of one step (timeline): measured {timeline.bubble():.1%}, ideal "
-        f"{timeline.ideal_bubble:.1%} for K={timeline.cells}, M={timeline.microbatches}; "
-        f"forward {_phase_ms(timeline, 'forward'):.1f} ms, "
-        f"backward {_phase_ms(timeline, 'backward'):.1f} ms"
-    )
-    _write_timeline(timeline, args.out)
-    rss = _peak_rss_mib()
-    if rss is not None:
-        print(f"peak RSS of the process: {rss:.1f} MiB")
-    if torch.cuda.is_available():
-        peak = max(torch.cuda.max_memory_allocated(d) for d in pipe.devices)
-        print(f"peak GPU memory allocated: {peak / 2**20:.1f} MiB")
+        x, y = data[-1]
+        timeline = _median_step(pipe, x, y)
+        alone = report.time_cells_alone(pipe, x)
+        cells_breakdown = report.breakdown(timeline, alone, pipe.threads_per_cell)
+        _print_step(timeline, cells_breakdown, report.simulated_bubble(timeline, alone))
+        comparison = report.Comparison(
+            ratio=ratio,
+            rival=rival,
+            plain_work_s=_plain_work(plain, x),
+            cells=cells_breakdown,
+            on_cpu=all(d.type == "cpu" for d in pipe.devices),
+        )
+        _say(comparison.work_line())
+        _say(comparison.verdict())
+        _write_timeline(timeline, args.out)
+        _print_memory(pipe)
+    finally:
+        pipe.close()
+    first, last, _ = trainees[0].loss_drop()
     return 0 if last < first else 1
-
-
-def _phase_ms(timeline: gf.Timeline, phase: Phase) -> float:
-    start, end = timeline.phase_window(phase)
-    return (end - start) * 1e3

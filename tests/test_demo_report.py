@@ -1,0 +1,184 @@
+"""The demo's step breakdown: exact figures on a made-up timeline, consistent ones on a real
+step, the cells timed alone, and a verdict that never hides a loss."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast import demo_report as report
+from gpipe_fast.timeline import TaskSpan, Timeline
+
+# Task ids follow _C.gpipe_forward(2, 2) and _C.gpipe_backward(2, 2, [True, False]):
+# forward 0: F(0,0), 1: F(0,1), 2: F(1,0) after 0, 3: F(1,1) after 1;
+# backward 0: B(1,1), 1: R(1,0), 2: B(1,0), 3: B(0,1) after 0, 4: R(0,0), 5: B(0,0) after 2.
+_SPANS = [
+    TaskSpan("forward", "forward", 0, 0, 0.0, 1.0, task=0),
+    TaskSpan("forward", "forward", 0, 1, 1.0, 2.0, task=1),
+    TaskSpan("forward", "forward", 1, 0, 1.5, 2.5, task=2),  # 0.5 s after F(0,0) ended
+    TaskSpan("forward", "forward", 1, 1, 2.5, 3.5, task=3),
+    TaskSpan("backward", "backward", 1, 1, 10.0, 12.0, task=0),
+    TaskSpan("backward", "recompute", 1, 0, 12.0, 13.0, task=1),
+    TaskSpan("backward", "backward", 1, 0, 13.0, 15.0, task=2),
+    TaskSpan("backward", "backward", 0, 1, 12.0, 14.0, task=3),
+    TaskSpan("backward", "recompute", 0, 0, 14.0, 15.0, task=4),
+    TaskSpan("backward", "backward", 0, 0, 15.25, 17.25, task=5),  # 0.25 s after B(1,0)
+]
+_ALONE = report.AloneCosts(forward=0.5, forward_grad=0.8, backward=1.6)
+
+
+def _made_up() -> Timeline:
+    return Timeline(cells=2, microbatches=2, spans=list(_SPANS))
+
+
+def test_checkpointed_microbatches_are_those_recomputed() -> None:
+    assert report.checkpointed_microbatches(_made_up()) == [True, False]
+
+
+def test_handoffs_are_starts_after_the_inputs_and_the_cell_were_ready() -> None:
+    assert report.handoff_seconds(_made_up()) == pytest.approx([0.25, 0.5])
+
+
+def test_breakdown_splits_the_makespan_exactly() -> None:
+    timeline = _made_up()
+    cells = report.breakdown(timeline, [_ALONE, _ALONE], threads=1)
+    assert timeline.makespan == pytest.approx(3.5 + 7.25)
+    # Each cell: F checkpointed 0.5 + F 0.8 + 2 B 1.6 = 4.5 s compute, one R 0.8 s; its
+    # spans take 7 s, so 1.7 s of overhead inside them, plus its hand-offs.
+    for cell, handoff in zip(cells, (0.25, 0.5), strict=True):
+        assert (cell.threads, cell.tasks) == (1, 5)
+        assert cell.compute_s == pytest.approx(4.5)
+        assert cell.recompute_s == pytest.approx(0.8)
+        assert cell.span_overhead_s == pytest.approx(1.7)
+        assert cell.handoff_s == pytest.approx(handoff)
+        assert cell.idle_s == pytest.approx(10.75 - 4.5 - 0.8 - 1.7 - handoff)
+    # The measured bubble is what the cells did not spend in tasks: hand-offs and idle.
+    idle = report.total_share(cells, lambda c: c.handoff_s + c.idle_s)
+    assert idle == pytest.approx(timeline.bubble())
+
+
+def test_breakdown_never_reports_negative_overhead() -> None:
+    slow_alone = report.AloneCosts(forward=5.0, forward_grad=5.0, backward=5.0)
+    cells = report.breakdown(_made_up(), [slow_alone, slow_alone], threads=None)
+    for cell in cells:
+        assert cell.span_overhead_s == 0.0
+        # The compute is capped at what the spans took, so the parts still add up.
+        assert cell.compute_s + cell.recompute_s == pytest.approx(7.0)
+        parts = cell.compute_s + cell.recompute_s + cell.overhead_s + cell.idle_s
+        assert parts == pytest.approx(cell.makespan_s)
+
+
+def test_simulated_bubble_of_equal_cells_is_the_fill_drain_bubble() -> None:
+    spans = [s for s in _SPANS if s.kind != "recompute"]  # as if checkpoint="never"
+    timeline = Timeline(cells=2, microbatches=2, spans=spans)
+    assert report.simulated_bubble(timeline, [_ALONE, _ALONE]) == pytest.approx(
+        timeline.ideal_bubble
+    )
+    slower_last = report.AloneCosts(forward=1.0, forward_grad=1.6, backward=3.2)
+    assert report.simulated_bubble(timeline, [_ALONE, slower_last]) > timeline.ideal_bubble
+
+
+def _cells_of(share: dict[str, float]) -> list[report.CellBreakdown]:
+    return [
+        report.CellBreakdown(
+            cell=0,
+            threads=1,
+            tasks=10,
+            makespan_s=1.0,
+            compute_s=share["compute"],
+            recompute_s=share["recompute"],
+            span_overhead_s=share["overhead"],
+            handoff_s=0.0,
+        )
+    ]
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_the_verdict_says_slower_and_why_when_slower(on_cpu: bool) -> None:
+    cells = _cells_of({"compute": 0.6, "recompute": 0.2, "overhead": 0.05})
+    comparison = report.Comparison(0.8, "all cores", 0.4, cells, on_cpu=on_cpu)
+    verdict = comparison.verdict()
+    assert "slower here (0.80x the plain model)" in verdict
+    # The work per cell (0.8 s) against the plain model's (0.4 s), then what the pipe adds.
+    assert "takes 800.00 ms (2.00x the plain model's 400.00 ms" in verdict
+    assert "included, 20.0% of cell time" in verdict
+    assert "imbalance: 15.0% of cell time) and overhead (5.0%)" in verdict
+    assert "does not fit one device" in verdict
+    assert ("on one CPU" in verdict) == on_cpu
+    assert ("Its one cell uses the cores" in verdict) == on_cpu  # _cells_of makes one cell
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_the_verdict_says_faster_and_why_only_when_the_work_explains_it(on_cpu: bool) -> None:
+    cells = _cells_of({"compute": 0.6, "recompute": 0.2, "overhead": 0.05})
+    explained = report.Comparison(1.2, "all cores", 1.6, cells, on_cpu=on_cpu).verdict()
+    assert "faster here (1.20x the plain model)" in explained
+    assert "(0.50x the plain model's 1600.00 ms" in explained
+    assert ("using the cores" in explained) == on_cpu
+    unexplained = report.Comparison(1.2, "all cores", 0.5, cells, on_cpu=on_cpu).verdict()
+    assert "faster in this run (1.20x" in unexplained and "does not explain it" in unexplained
+
+
+def test_format_breakdown_has_a_row_per_cell_with_the_shares() -> None:
+    cells = report.breakdown(_made_up(), [_ALONE, _ALONE], threads=1)
+    lines = report.format_breakdown(cells).splitlines()
+    assert lines[0].split() == [
+        "cell",
+        "threads",
+        "tasks",
+        "compute/task",
+        "overhead/task",
+        "compute",
+        "recompute",
+        "overhead",
+        "idle",
+    ]
+    assert len(lines) == 3
+    shares = [float(word.rstrip("%")) for word in lines[1].split() if word.endswith("%")]
+    assert sum(shares) == pytest.approx(100.0, abs=0.3)
+
+
+def test_intra_op_threads_are_restored() -> None:
+    before = torch.get_num_threads()
+    with report.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with report.intra_op_threads(None):
+        assert torch.get_num_threads() == before
+
+
+def test_time_cell_alone_times_each_pass_and_runs_the_backward() -> None:
+    cell = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    costs = report.time_cell_alone(cell, torch.randn(4, 8), True, threads=1, repeats=2)
+    assert all(
+        t > 0 and math.isfinite(t) for t in (costs.forward, costs.forward_grad, costs.backward)
+    )
+    assert cell[0].weight.grad is not None  # the backward ran
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "never"])
+def test_breakdown_of_a_real_step_is_consistent(make_pipe: Any, checkpoint: str) -> None:
+    model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.Tanh())])
+    pipe: gf.GPipe = make_pipe(model, [4, 4], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)
+    x = torch.randn(16, 32)
+    pipe(x).sum().backward()
+    pipe.record_timeline()
+    pipe(x).sum().backward()
+    timeline = pipe.timeline()
+    alone = report.time_cells_alone(pipe, x, repeats=2)
+    assert all(p.grad is None for p in pipe.parameters())
+    cells = report.breakdown(timeline, alone, pipe.threads_per_cell)
+    recomputes = 3 if checkpoint == "except_last" else 0
+    for cell in cells:
+        assert cell.tasks == 2 * 4 + recomputes
+        assert (cell.recompute_s > 0) == (recomputes > 0)
+        parts = [cell.compute_s, cell.recompute_s, cell.overhead_s, cell.idle_s]
+        assert all(part >= 0 for part in parts)
+        assert 0 < cell.share(cell.compute_s) <= 1
+        assert sum(parts) == pytest.approx(cell.makespan_s, rel=1e-6, abs=1e-9)
+    assert 0 <= report.simulated_bubble(timeline, alone) < 1
