@@ -59,8 +59,13 @@ def thread_efficiency(width: int = WIDTH, repeats: int = 150) -> float:
     return 2 * one / two
 
 
+def _sum_of_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return output.sum()
+
+
 def pipeline_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """One training step of gpipe_fast and (if installed) torchgpipe on the workload."""
+    """One training step of gpipe_fast (pipe(x) + backward; train_step under 1f1b and
+    zero_bubble) and (if installed) torchgpipe on the workload."""
     ours = gf.GPipe(
         build_model(), [4, 4], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint="never"
     )
@@ -70,6 +75,18 @@ def pipeline_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
         ours(x).sum().backward()
 
     runs = {"gpipe_fast": gpipe_fast}
+    # The same layers through train_step under the 1F1B and zero-bubble schedules (loss:
+    # the output's sum, so the gradients are those of out.sum().backward()).
+    for schedule in ("1f1b", "zero_bubble"):
+        pipe = gf.GPipe(
+            build_model(), [4, 4], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint="never",
+            schedule=schedule,
+        )  # fmt: skip
+
+        def train_step(pipe: gf.GPipe = pipe) -> None:
+            pipe.train_step(x, x, _sum_of_output)
+
+        runs[f"gpipe_fast {schedule}"] = train_step
     try:
         import torchgpipe
     except ImportError:

@@ -9,7 +9,7 @@ import numbers
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -170,6 +170,10 @@ class LayerProfile:
     forward: list[float]  # seconds, median over the repeats
     backward: list[float]  # seconds, median over the repeats; 0 where no gradient flows
     output_bytes: list[int]  # bytes of each layer's output tensors
+    # With split=True: the backward as zero bubble runs it, the input's gradient alone, then
+    # the weights' alone (seconds, medians); empty otherwise.
+    backward_input: list[float] = field(default_factory=list)
+    backward_weight: list[float] = field(default_factory=list)
 
     def costs(self, cost: str = "total") -> list[float]:
         """Per-layer seconds of the forward, the backward or both ("total")."""
@@ -239,6 +243,17 @@ def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Ten
     return roots, [torch.ones_like(t) for t in roots]
 
 
+def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Sample) -> None:
+    """The backward of zero bubble: the input's gradient alone, then the weights'."""
+    wanted = [t for t in as_tensors(inputs, "sample") if t.requires_grad]
+    if wanted:
+        torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+
+
+def _weight_backward(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
+    torch.autograd.backward(roots, grads, inputs=params)
+
+
 def _profile_layer(
     layer: nn.Module,
     value: Sample,
@@ -248,12 +263,17 @@ def _profile_layer(
     warmup: int,
     repeats: int | None,
     budget_s: float | None,
+    split: list[list[float]] | None = None,
 ) -> tuple[float, float, Sample]:
     """Median forward and backward seconds of one layer, and its (detached) output: over
     `repeats` measured runs after `warmup`, or (repeats None) over as many measured runs as
-    fit in `budget_s` seconds from the layer's first run, at least one."""
+    fit in `budget_s` seconds from the layer's first run, at least one. With `split`, the
+    input-gradient and weight-gradient halves of the backward are timed too (an extra
+    forward per run) and their medians appended to split[0] and split[1]."""
     forward_times: list[float] = []
     backward_times: list[float] = []
+    halves: tuple[list[float], list[float]] = ([], [])
+    params = [p for p in layer.parameters() if p.requires_grad]
     output: Any = None
     started = _clock()
     run = 0
@@ -262,10 +282,21 @@ def _profile_layer(
         forward_s, output = _timed(device, layer, inputs)
         roots, grads = _backward_roots(_tensors_of_output(output, index))
         backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
+        if split is not None:
+            inputs = _fresh_input(value, needs_grad)
+            roots, grads = _backward_roots(_tensors_of_output(layer(inputs), index))
+            input_s = weight_s = 0.0
+            if roots:
+                input_s = _timed(device, _split_backward, roots, grads, inputs)[0]
+            if roots and params:
+                weight_s = _timed(device, _weight_backward, roots, grads, params)[0]
         run += 1
         if run > warmup:
             forward_times.append(forward_s)
             backward_times.append(backward_s)
+            if split is not None:
+                halves[0].append(input_s)
+                halves[1].append(weight_s)
             if repeats is not None:
                 enough = len(forward_times) >= repeats
             else:
@@ -273,6 +304,9 @@ def _profile_layer(
             if enough:
                 break
     detached = _like([t.detach() for t in _tensors_of_output(output, index)], output)
+    if split is not None:
+        split[0].append(statistics.median(halves[0]))
+        split[1].append(statistics.median(halves[1]))
     return statistics.median(forward_times), statistics.median(backward_times), detached
 
 
@@ -293,6 +327,7 @@ def profile_layers(
     warmup: int = 2,
     repeats: int | None = None,
     timeout: float | None = None,
+    split: bool = False,
 ) -> LayerProfile:
     """Times each layer's forward and backward on `device`, feeding `sample` through the module
     layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
@@ -304,7 +339,9 @@ def profile_layers(
     medians are kept. Or give `timeout` instead of `repeats`, torchgpipe's keyword: the
     seconds to spend profiling, shared evenly among the layers; each layer is measured until
     its share (counted from its first run, warmup included) is spent, at least once, so a
-    layer slower than its share takes longer."""
+    layer slower than its share takes longer. `split=True` also times the backward's
+    input-gradient and weight-gradient halves (LayerProfile.backward_input and
+    backward_weight), as the zero-bubble schedule runs them."""
     module = _check_module(module)
     target = _resolve_device(device, module)
     warmup = _check_int(warmup, "warmup", 0)
@@ -319,8 +356,9 @@ def profile_layers(
     with torch.enable_grad():
         for index, layer in enumerate(module):
             work = _profiling_copy(layer, index, target)
+            halves = [profile.backward_input, profile.backward_weight] if split else None
             forward_s, backward_s, value = _profile_layer(
-                work, value, needs_grad, index, target, warmup, count, per_layer_s
+                work, value, needs_grad, index, target, warmup, count, per_layer_s, halves
             )
             profile.forward.append(forward_s)
             profile.backward.append(backward_s)

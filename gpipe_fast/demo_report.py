@@ -15,13 +15,8 @@ from torch import Tensor, nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.microbatch import scatter
+from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.timeline import Kind
-
-_KINDS: dict[_C.TaskKind, Kind] = {
-    _C.TaskKind.Forward: "forward",
-    _C.TaskKind.Recompute: "recompute",
-    _C.TaskKind.Backward: "backward",
-}
 
 
 @dataclass(frozen=True)
@@ -230,8 +225,8 @@ def simulated_bubble(timeline: gf.Timeline, alone: Sequence[AloneCosts]) -> floa
     for schedule in _schedules(timeline, checkpointed).values():
         costs = []
         for task in schedule.tasks:
-            kind = _KINDS[task.kind]
-            costs.append(alone[task.cell].of(kind, checkpointed[task.microbatch]))
+            kind = ACTIONS[task.action]
+            costs.append(alone[task.stage].of(kind, checkpointed[task.microbatch]))
         makespan += _C.simulate(schedule, costs).makespan
         busy += sum(costs)
     return 1.0 - busy / (timeline.cells * makespan) if makespan > 0 else 0.0

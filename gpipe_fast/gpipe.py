@@ -19,6 +19,8 @@ from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.pipeline import Pipeline
+from gpipe_fast.schedules import check_schedule
+from gpipe_fast.step import LossFn
 from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
@@ -69,6 +71,11 @@ class GPipe(nn.Module):
     a numpy int); ``checkpoint`` a mode as a str (a str subclass, or an object whose str()
     is the mode). The pipe cannot be moved (``cuda()``, ``cpu()``, ``to(device)``): build a
     new GPipe with other devices; casting (``half()``, ``to(torch.float64)``) is allowed.
+
+    ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
+    "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
+    ``devices[s % len(devices)]``, V cells per device's worker) or "zero_bubble" (ZB-H1).
+    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
     """
 
     def __init__(
@@ -81,6 +88,7 @@ class GPipe(nn.Module):
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         recompute_pool: bool = False,
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -89,6 +97,7 @@ class GPipe(nn.Module):
         checkpoint = _check_checkpoint(checkpoint)
         if not isinstance(recompute_pool, bool):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
+        schedule = check_schedule(schedule)
 
         given_devices = None if devices is None else _resolve_devices(devices)
         if balance is None:
@@ -97,7 +106,17 @@ class GPipe(nn.Module):
         resolved_devices = (
             _default_devices(len(balance)) if given_devices is None else given_devices
         )
-        if len(resolved_devices) < len(balance):
+        stage_workers = list(range(len(balance)))
+        if schedule == "interleaved" and balance:
+            workers = len(resolved_devices)
+            if len(balance) % workers != 0:
+                raise ValueError(
+                    f"balance: the interleaved schedule needs len(balance) ({len(balance)}) to "
+                    f"be a multiple of len(devices) ({workers}): V cells per device"
+                )
+            stage_workers = [k % workers for k in range(len(balance))]
+            resolved_devices = [resolved_devices[w] for w in stage_workers]
+        elif len(resolved_devices) < len(balance):
             raise TooFewDevicesError(
                 f"devices: {len(balance)} cells need {len(balance)} devices, "
                 f"got {len(resolved_devices)}"
@@ -108,6 +127,7 @@ class GPipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        self.schedule = schedule
 
         named = list(module._modules.items())  # named_children() would drop a repeated layer
         cells, start = [], 0
@@ -128,7 +148,14 @@ class GPipe(nn.Module):
         self._step_timeout: float | None = None
         # No cells, no workers: an empty pipe is the identity (as in torchgpipe).
         self._pipeline = (
-            Pipeline(cells, self.devices, self._threads_per_cell, recompute_pool=recompute_pool)
+            Pipeline(
+                cells,
+                self.devices,
+                self._threads_per_cell,
+                stage_workers=stage_workers,
+                schedule=schedule,
+                recompute_pool=recompute_pool,
+            )
             if cells
             else None
         )
@@ -169,6 +196,31 @@ class GPipe(nn.Module):
             return input
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
+    def train_step(
+        self, input: Value, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch in the order of ``schedule``; returns
+        the loss of the whole batch (a detached 0-dim tensor on the last cell's device).
+
+        ``target`` is split like ``input``; ``loss_fn(output, target)`` gets one
+        micro-batch of each and returns its scalar loss. With ``reduction="mean"`` (a
+        loss_fn that averages over its micro-batch) each micro-batch's loss is weighted by
+        its share of the batch; with "sum" they are added. Either way the loss and every
+        ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
+        (gradients accumulate, as backward() does: zero them between steps). The input's
+        gradient reaches ``input.grad`` when it requires one."""
+        if self._pipeline is None:  # no cells: the loss of the input itself
+            return _identity_train_step(input, target, loss_fn)
+        return self._pipeline.train_step(
+            input,
+            target,
+            loss_fn,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            training=self.training,
+            reduction=reduction,
+        )
+
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then
         nothing is timed). Turning it off also forgets the recorded step.
@@ -193,11 +245,16 @@ class GPipe(nn.Module):
         if recorded is None:
             raise RuntimeError(
                 "gpipe_fast: no step has run since pipe.record_timeline(); run pipe(x) "
-                "(and its backward) first"
+                "(and its backward) or pipe.train_step(...) first"
             )
         return Timeline.from_runs(
-            [(phase, *recorded[phase]) for phase in ("forward", "backward") if phase in recorded],
-            clocks=self._pipeline.executor.cell_clocks(),
+            [
+                (phase, *recorded[phase])
+                for phase in ("forward", "backward", "step")
+                if phase in recorded
+            ],
+            clocks=self._pipeline.executor.worker_clocks(),
+            schedule=self.schedule if "step" in recorded else "gpipe",
         )
 
     def memory_stats(self) -> list[CellMemoryStats]:
@@ -280,6 +337,7 @@ class GPipe(nn.Module):
         return (
             f"balance={self.balance}, devices={devices}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}"
+            + (f", schedule={self.schedule!r}" if self.schedule != "gpipe" else "")
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
@@ -451,3 +509,14 @@ def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any)
         cell = module._cell_of.get(layer)
         if cell is not None:
             state[f"{prefix}partitions.{cell}.{key[len(prefix) :]}"] = state.pop(key)
+
+
+def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
+    as_tensors(input, "input")
+    loss = loss_fn(input, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
+    if loss.requires_grad:
+        loss.backward()
+    return loss.detach()

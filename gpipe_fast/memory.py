@@ -10,7 +10,8 @@ import torch
 from gpipe_fast.microbatch import as_tensors
 
 if TYPE_CHECKING:
-    from gpipe_fast.pipeline import Pipeline, Step
+    from gpipe_fast.pipeline import Pipeline
+    from gpipe_fast.step import Step
 
 
 class CellMemoryStats(TypedDict):
@@ -27,7 +28,7 @@ def stash_bytes(steps: Iterable[Step], cell: int) -> int:
     own device are views of the input), and several views may share one storage."""
     storages: dict[tuple[torch.device, int], int] = {}
     for step in steps:
-        for value in step.inputs[cell]:
+        for value in step.stages[cell].inputs:
             if value is None:
                 continue
             for tensor in as_tensors(value, "stashed input"):

@@ -1,11 +1,14 @@
-"""A balance with its predicted pipeline: per-cell rows and the simulated step time and bubble."""
+"""A balance with its predicted step: per-cell rows, and the simulated step time and bubble of
+the chosen schedule."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
@@ -19,14 +22,16 @@ from gpipe_fast.balance import (
     _check_int,
     _check_module,
     _check_param_scale,
+    _resolve_device,
     layer_costs_by_params,
     layer_output_bytes,
     layer_param_bytes,
     partition,
     profile_layers,
 )
-from gpipe_fast.checkpoint import recomputed_microbatches
-from gpipe_fast.microbatch import as_tensors
+from gpipe_fast.microbatch import as_tensors, scatter
+from gpipe_fast.predict import StageCosts, predict, task_overhead
+from gpipe_fast.schedules import check_schedule
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -47,19 +52,24 @@ class CellPlan:
 @dataclass
 class Plan:
     """A balance with what it is predicted to do: per-cell rows, and the step time and bubble
-    the native simulator gives for a GPipe fill-drain step (forward then backward, no
-    recomputation). Times are in the plan's `unit`: seconds for cost="time", otherwise the
-    cost's own unit, so only their ratios mean anything."""
+    the native simulator gives for a train_step of `schedule` (for "gpipe", also
+    pipe(x) followed by its backward). Times are in the plan's `unit`: seconds for
+    cost="time" (each cell timed on one micro-batch with its worker's thread count, plus
+    the runtime's measured cost per task, `overhead`), otherwise the cost's own unit, so only
+    their ratios mean anything."""
 
     balance: list[int]
     chunks: int
     cost: str  # "time", "size" or "params"
     unit: str
     cells: list[CellPlan]
-    forward_time: float
-    backward_time: float
-    step_time: float  # forward_time + backward_time
-    bubble: float  # idle share of all cells' time over the step
+    forward_time: float  # when the last forward ends
+    backward_time: float  # step_time - forward_time
+    step_time: float  # the simulated makespan
+    bubble: float  # idle share of all workers' time over the step
+    schedule: str = "gpipe"
+    overhead: float = 0.0  # per task, in the plan's unit (measured with cost="time")
+    threads: int | None = None  # intra-op threads of each CPU cell the costs were timed with
 
     def __str__(self) -> str:
         header = ("cell", "layers", "names", f"cost ({self.unit})", "params", "out/micro-batch")
@@ -77,16 +87,16 @@ class Plan:
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [
             f"GPipe plan: {sum(self.balance)} layers in {len(self.balance)} cells, "
-            f"{self.chunks} micro-batches, balanced by {self.cost}"
+            f"{self.chunks} micro-batches, balanced by {self.cost}, schedule {self.schedule!r}"
         ]
         lines += [
             "  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip()
             for row in rows
         ]
+        overhead = f", {self.overhead * 1e6:.0f} us per task" if self.cost == "time" else ""
         lines.append(
-            f"predicted step {self.step_time:.4g} {self.unit} (forward "
-            f"{self.forward_time:.4g} + backward {self.backward_time:.4g}), "
-            f"bubble {self.bubble:.1%}"
+            f"predicted step {self.step_time:.4g} {self.unit} (last forward ends at "
+            f"{self.forward_time:.4g}), bubble {self.bubble:.1%}{overhead}"
         )
         return "\n".join(lines)
 
@@ -116,31 +126,6 @@ def _cell_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
     return sums
 
 
-def _predict_step(
-    forward: Sequence[float], backward: Sequence[float], chunks: int, recompute: Sequence[bool]
-) -> tuple[float, float, float]:
-    """Forward and backward makespans of a fill-drain step given each cell's mini-batch
-    forward and backward cost (a micro-batch task costs 1/chunks of it; a Recompute task as
-    much as its forward), and the bubble: the share of all cells' time over both phases that
-    is idle."""
-    cells = len(forward)
-    forward_schedule = _C.gpipe_forward(cells, chunks)
-    backward_schedule = _C.gpipe_backward(cells, chunks, list(recompute))
-    per_task = {
-        _C.TaskKind.Forward: [f / chunks for f in forward],
-        _C.TaskKind.Recompute: [f / chunks for f in forward],
-        _C.TaskKind.Backward: [b / chunks for b in backward],
-    }
-    times, busy = [], 0.0
-    for schedule in (forward_schedule, backward_schedule):
-        costs = [per_task[task.kind][task.cell] for task in schedule.tasks]
-        times.append(float(_C.simulate(schedule, costs).makespan))
-        busy += sum(costs)
-    step = times[0] + times[1]
-    bubble = 1.0 - busy / (cells * step) if step > 0.0 else 0.0
-    return times[0], times[1], bubble
-
-
 def _first_dim(tensors: Sequence[Tensor]) -> int:
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("sample must have a batch dimension (dim 0) on every tensor")
@@ -157,37 +142,59 @@ def plan(
     cost: str = "time",
     device: Device | None = None,
     checkpoint: str = "never",
+    schedule: str = "gpipe",
+    devices: int | None = None,
     warmup: int = 2,
     repeats: int = 5,
     param_scale: float = 2.0,
 ) -> Plan:
     """Balances `module` into `partitions` cells by `cost` ("time", "size" or "params"; or takes
-    the given `balance`) and predicts a step on `sample`, a whole mini-batch that is split into
-    `chunks` micro-batches.
+    the given `balance`) and predicts a training step of `schedule` on `sample`, a whole
+    mini-batch that is split into `chunks` micro-batches. `devices`: how many devices (workers)
+    the cells share, for the interleaved schedule (default: one per cell).
 
-    With cost="time" the measured forward and backward times are simulated as they are; the
-    other costs stand for a layer's forward and its backward is taken as BACKWARD_PER_FORWARD
-    times that. `checkpoint` is the GPipe mode to predict: recomputed micro-batches add a
-    Recompute task (one more forward) before their backward.
+    With cost="time" each layer is timed as its cell will run it: on one micro-batch of the
+    sample, on `device`, with the intra-op threads each CPU cell's worker gets (the cores
+    shared by the CPU cells, as GPipe does); the zero-bubble schedule's backward halves are
+    timed apart. The runtime's own cost per task (its hand-offs and Python work, measured by
+    a step through cells that do nothing) is added to every task. The other costs stand for
+    a layer's forward, its backward is taken as BACKWARD_PER_FORWARD times that, split in
+    equal halves for zero bubble, and a task costs its cell's cost / chunks.
     """
     module = _check_module(module)
     cells = _check_count(partitions, "partitions", len(module))
     chunks = _check_int(chunks, "chunks", 1)
     cost = _check_choice(cost, "cost", PLAN_COSTS)
     checkpoint = _check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
+    schedule = check_schedule(schedule)
+    workers = cells if devices is None else _check_int(devices, "devices", 1)
+    if schedule != "interleaved" and workers != cells:
+        raise ValueError(f"devices: schedule {schedule!r} runs one cell per device, got {workers}")
+    if cells % workers:
+        raise ValueError(f"devices ({workers}) must divide partitions ({cells}) when interleaving")
     if balance is not None:
         balance = _check_balance(balance, cells, len(module))
     batch = _first_dim(as_tensors(sample, "sample"))
     if chunks > batch:
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
 
+    output_bytes = layer_output_bytes(module, sample, device=device)
+    threads: int | None = None
+    overhead = 0.0
+    split = schedule == "zero_bubble"
     if cost == "time":
-        profile = profile_layers(module, sample, device=device, warmup=warmup, repeats=repeats)
+        threads = _cell_threads(workers, device, module)
+        microbatch = scatter(sample, chunks)[0]
+        with _intra_op_threads(threads):
+            profile = profile_layers(
+                module, microbatch, device=device, warmup=warmup, repeats=repeats, split=split
+            )
         forward, backward = profile.forward, profile.backward
-        output_bytes = profile.output_bytes
+        backward_input = profile.backward_input or [b / 2 for b in backward]
+        backward_weight = profile.backward_weight or [b / 2 for b in backward]
         layer_costs = profile.costs("total")
+        overhead = task_overhead(cells, workers, chunks, schedule)
     else:
-        output_bytes = layer_output_bytes(module, sample, device=device)
         if cost == "size":
             scale = _check_param_scale(param_scale)
             layer_costs = [
@@ -196,28 +203,57 @@ def plan(
             ]
         else:
             layer_costs = layer_costs_by_params(module)
-        forward = layer_costs
-        backward = [BACKWARD_PER_FORWARD * c for c in layer_costs]
+        forward = [c / chunks for c in layer_costs]
+        backward = [BACKWARD_PER_FORWARD * c for c in forward]
+        backward_input = backward_weight = [b / 2 for b in backward]
     if balance is None:
         balance = partition(layer_costs, cells)
 
-    forward_time, backward_time, bubble = _predict_step(
-        _cell_sums(forward, balance),
-        _cell_sums(backward, balance),
-        chunks,
-        recomputed_microbatches(checkpoint, chunks),
-    )
+    stage_costs = [
+        StageCosts(forward=f, backward=b, backward_input=bi, backward_weight=bw)
+        for f, b, bi, bw in zip(
+            *(_cell_sums(v, balance) for v in (forward, backward, backward_input, backward_weight)),
+            strict=True,
+        )
+    ]
+    steps = _C.make_schedule(schedule, cells, workers, chunks, checkpoint)
+    prediction = predict(steps, stage_costs, overhead)
     return Plan(
         balance=list(balance),
         chunks=chunks,
         cost=cost,
         unit=PLAN_UNITS[cost],
         cells=_cell_rows(module, balance, layer_costs, output_bytes, chunks),
-        forward_time=forward_time,
-        backward_time=backward_time,
-        step_time=forward_time + backward_time,
-        bubble=bubble,
+        forward_time=prediction.forward_time,
+        backward_time=prediction.step_time - prediction.forward_time,
+        step_time=prediction.step_time,
+        bubble=prediction.bubble,
+        schedule=schedule,
+        overhead=overhead,
+        threads=threads,
     )
+
+
+def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:
+    """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
+    or OMP_NUM_THREADS set, which GPipe leaves alone)."""
+    from gpipe_fast.gpipe import _default_threads_per_cell
+
+    target = _resolve_device(device, module)
+    return _default_threads_per_cell([target] * cells)
+
+
+@contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _cell_rows(

@@ -1,4 +1,4 @@
-"""The measured task timeline of one step: spans per cell, bubble, Chrome trace and picture."""
+"""The measured task timeline of one step: spans per worker, bubble, Chrome trace and picture."""
 
 from __future__ import annotations
 
@@ -8,20 +8,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-Phase = Literal["forward", "backward"]
-Kind = Literal["forward", "recompute", "backward", "copy"]
-# What timed a cell's tasks: the steady clock on its worker, or CUDA events on its stream.
+# The runs of a step: pipe(x)'s forward, loss.backward()'s backward, or a train_step.
+Phase = Literal["forward", "backward", "step"]
+_PHASES: tuple[Phase, ...] = ("forward", "backward", "step")
+# A span's kind is its task's action ("forward", "recompute", "backward", "backward_input",
+# "backward_weight", "loss", ...) or "copy" (reserved for boundary copies timed apart).
+Kind = str
+# What timed a worker's tasks: the steady clock on its thread, or CUDA events on its stream.
 Clock = Literal["host", "cuda"]
 _CLOCKS: tuple[Clock, ...] = ("host", "cuda")
 
 _NS = 1e-9
-_LETTER = {"forward": "F", "recompute": "R", "backward": "B", "copy": "C"}
+_LETTER = {
+    "forward": "F",
+    "recompute": "R",
+    "backward": "B",
+    "backward_input": "I",
+    "backward_weight": "W",
+    "loss": "L",
+    "copy": "C",
+}
 _COLOUR = {
     "forward": "#4c72b0",
     "recompute": "#dd8452",
     "backward": "#55a868",
+    "backward_input": "#55a868",
+    "backward_weight": "#8fd19e",
+    "loss": "#c44e52",
     "copy": "#8172b3",
 }
+_OTHER_COLOUR = "#937860"
 
 
 @dataclass(frozen=True)
@@ -44,8 +60,11 @@ class TaskSpan:
       order.
 
     ``task`` is the task's id in its phase's schedule (``_C.gpipe_forward`` for "forward",
-    ``_C.gpipe_backward`` for "backward"). The "copy" kind is reserved for boundary copies
-    timed on their own; gpipe_fast records none at present (a copy is part of its task).
+    ``_C.gpipe_backward`` for "backward", the train_step's schedule for "step"). ``cell`` is
+    the task's stage, ``worker`` the worker thread that ran it (the same but for the
+    interleaved schedule, whose workers run several stages). The "copy" kind is reserved for
+    boundary copies timed on their own; gpipe_fast records none at present (a copy is part
+    of its task).
     """
 
     phase: Phase
@@ -55,6 +74,16 @@ class TaskSpan:
     start_s: float
     end_s: float
     task: int = -1
+    worker: int = -1
+
+    @property
+    def stage(self) -> int:
+        return self.cell
+
+    @property
+    def row(self) -> int:
+        """The worker that ran the span (its cell when not recorded)."""
+        return self.worker if self.worker >= 0 else self.cell
 
     @property
     def duration_s(self) -> float:
@@ -64,55 +93,74 @@ class TaskSpan:
 @dataclass(frozen=True)
 class Timeline:
     """The spans of one step's tasks: the forward run by ``pipe(x)`` and, once
-    ``loss.backward()`` has run, the backward.
+    ``loss.backward()`` has run, the backward; or the one run of a ``train_step``.
 
     Times are seconds of the steady clock (``time.monotonic``) after the start of the
     step's first task, so the backward's spans also contain the gap during which the
     caller's thread computed the loss and reached the pipe's backward; that gap belongs to
-    no cell and is left out of :attr:`makespan` and :meth:`bubble`.
+    no worker and is left out of :attr:`makespan` and :meth:`bubble`.
 
-    ``clocks`` names, per cell, what timed its spans (see :class:`TaskSpan`): "host" on CPU
-    cells, "cuda" (CUDA events on the cell's stream) on CUDA cells; empty when unknown.
+    ``cells`` counts the stages, ``workers`` the worker threads that ran them (as many, but
+    for the interleaved schedule). ``clocks`` names, per worker, what timed its spans (see
+    :class:`TaskSpan`): "host" on CPU, "cuda" (CUDA events on its stream) on CUDA devices;
+    empty when unknown. ``schedule`` is the kind of the train_step's schedule ("gpipe" for
+    pipe(x) and its backward).
     """
 
     cells: int
     microbatches: int
     spans: list[TaskSpan] = field(default_factory=list)
     clocks: tuple[Clock, ...] = ()
+    workers: int = 0
+    schedule: str = "gpipe"
+
+    @property
+    def rows(self) -> int:
+        """Worker rows of the picture: `workers`, or one per cell when not known."""
+        return self.workers or self.cells
 
     @classmethod
     def from_runs(
         cls,
         runs: Sequence[tuple[Phase, Any, Iterable[tuple[int, int, int]]]],
         clocks: Sequence[str] = (),
+        schedule: str = "gpipe",
     ) -> Timeline:
         """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``), and
-        optionally the executor's ``cell_clocks()``."""
+        optionally the executor's ``worker_clocks()`` and the train_step's schedule kind."""
+        from gpipe_fast.schedules import ACTIONS
+
         if not runs:
             raise ValueError("a timeline needs at least one run")
-        cell_clocks = tuple(_clock(name) for name in clocks)
-        if cell_clocks and len(cell_clocks) != runs[0][1].cells:
-            raise ValueError(f"got {len(cell_clocks)} clocks for {runs[0][1].cells} cells")
+        first = runs[0][1]
+        worker_clocks = tuple(_clock(name) for name in clocks)
+        if worker_clocks and len(worker_clocks) != first.workers:
+            raise ValueError(f"got {len(worker_clocks)} clocks for {first.workers} workers")
         raw = [(phase, schedule, *span) for phase, schedule, spans in runs for span in spans]
         origin = min((start_ns for *_, start_ns, _end in raw), default=0)
         spans_out = []
-        for phase, schedule, task_id, start_ns, end_ns in raw:
-            task = schedule.tasks[task_id]
+        for phase, run, task_id, start_ns, end_ns in raw:
+            task = run.tasks[task_id]
             spans_out.append(
                 TaskSpan(
                     phase=phase,
-                    kind=task.kind.name.lower(),
-                    cell=task.cell,
+                    kind=ACTIONS[task.action],
+                    cell=task.stage,
                     microbatch=task.microbatch,
                     start_s=(start_ns - origin) * _NS,
                     end_s=(end_ns - origin) * _NS,
                     task=task_id,
+                    worker=task.worker,
                 )
             )
-        spans_out.sort(key=lambda s: (s.start_s, s.cell))
-        first = runs[0][1]
+        spans_out.sort(key=lambda s: (s.start_s, s.row))
         return cls(
-            cells=first.cells, microbatches=first.microbatches, spans=spans_out, clocks=cell_clocks
+            cells=first.stages,
+            microbatches=first.microbatches,
+            spans=spans_out,
+            clocks=worker_clocks,
+            workers=first.workers,
+            schedule=schedule,
         )
 
     # -- measures ----------------------------------------------------------------------------
@@ -133,19 +181,19 @@ class Timeline:
 
     @property
     def makespan(self) -> float:
-        """Seconds the cells spent in the step: the forward phase's window (first task start
-        to last task end) plus the backward phase's window, without the gap between them."""
-        phases: tuple[Phase, ...] = ("forward", "backward")
-        return sum((end - start for start, end in map(self.phase_window, phases)), 0.0)
+        """Seconds the workers spent in the step: each phase's window (first task start to
+        last task end) added up, without the gap between pipe(x) and its backward."""
+        return sum((end - start for start, end in map(self.phase_window, _PHASES)), 0.0)
 
-    def busy(self, cell: int) -> float:
-        """Seconds `cell` spent in tasks (copy spans lie inside tasks and are not added)."""
-        if not 0 <= cell < self.cells:
-            raise ValueError(f"cell must be in [0, {self.cells}), got {cell}")
-        return sum(s.duration_s for s in self.spans if s.cell == cell and s.kind != "copy")
+    def busy(self, worker: int) -> float:
+        """Seconds `worker` (with one stage per worker: that cell) spent in tasks (copy
+        spans lie inside tasks and are not added)."""
+        if not 0 <= worker < self.rows:
+            raise ValueError(f"worker must be in [0, {self.rows}), got {worker}")
+        return sum(s.duration_s for s in self.spans if s.row == worker and s.kind != "copy")
 
     def bubble(self) -> float:
-        """Measured idle share of cell-time: ``1 - sum_k busy(k) / (cells * makespan)``.
+        """Measured idle share of worker-time: ``1 - sum_w busy(w) / (workers * makespan)``.
 
         The phases are concatenated: each phase counts from its first task's start to its
         last task's end, and the gap between ``pipe(x)`` returning and the backward's first
@@ -155,42 +203,60 @@ class Timeline:
         makespan = self.makespan
         if makespan <= 0:
             return 0.0
-        busy = sum(self.busy(cell) for cell in range(self.cells))
-        return max(0.0, 1.0 - busy / (self.cells * makespan))
+        busy = sum(self.busy(worker) for worker in range(self.rows))
+        return max(0.0, 1.0 - busy / (self.rows * makespan))
 
     @property
     def ideal_bubble(self) -> float:
-        """The fill-drain bubble of equal-cost cells with no overheads: (K-1)/(M+K-1)."""
-        return (self.cells - 1) / (self.microbatches + self.cells - 1)
+        """The schedule's bubble with equal-cost stages and no overheads (a backward twice a
+        forward): (K-1)/(M+K-1) for fill-drain and 1F1B; (D-1)/(VM+D-1) interleaving V
+        stages on each of D workers; (K-1)/(3M+K-1) for ZB-H1 (input and weight gradients
+        each as costly as a forward)."""
+        k, m = self.rows, self.microbatches
+        if self.schedule == "zero_bubble":
+            return (k - 1) / (3 * m + k - 1)
+        v = self.cells // max(k, 1)
+        return (k - 1) / (v * m + k - 1)
 
     # -- outputs -----------------------------------------------------------------------------
 
+    def label(self, span: TaskSpan) -> str:
+        """The span's name in pictures and traces: action letter, stage.micro-batch."""
+        return f"{_LETTER.get(span.kind, span.kind[:1].upper())}{span.cell}.{span.microbatch}"
+
+    def row_name(self, worker: int) -> str:
+        stages = sorted({s.cell for s in self.spans if s.row == worker}) or [worker]
+        if self.rows == self.cells:
+            return f"cell {stages[0]}"
+        return f"worker {worker} (cells {', '.join(map(str, stages))})"
+
     def to_chrome_trace(self, path: str | Path) -> None:
-        """Writes Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one track per cell,
+        """Writes Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one track per worker,
         one complete ("X") event per span, times in microseconds."""
         events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "gpipe_fast step"}}
         ]
-        for cell in range(self.cells):
-            track = {"ph": "M", "pid": 0, "tid": cell}
-            events.append({**track, "name": "thread_name", "args": {"name": f"cell {cell}"}})
-            events.append({**track, "name": "thread_sort_index", "args": {"sort_index": cell}})
+        for worker in range(self.rows):
+            track = {"ph": "M", "pid": 0, "tid": worker}
+            events.append({**track, "name": "thread_name", "args": {"name": self.row_name(worker)}})
+            events.append({**track, "name": "thread_sort_index", "args": {"sort_index": worker}})
         for span in self.spans:
             events.append(
                 {
-                    "name": f"{_LETTER[span.kind]}{span.microbatch}",
+                    "name": self.label(span),
                     "cat": span.kind,
                     "ph": "X",
                     "pid": 0,
-                    "tid": span.cell,
+                    "tid": span.row,
                     "ts": round(span.start_s * 1e6, 3),
                     "dur": round(span.duration_s * 1e6, 3),
                     "args": {
+                        "cell": span.cell,
                         "microbatch": span.microbatch,
                         "kind": span.kind,
                         "phase": span.phase,
                         "task": span.task,
-                        **({"clock": self.clocks[span.cell]} if self.clocks else {}),
+                        **({"clock": self.clocks[span.row]} if self.clocks else {}),
                     },
                 }
             )
@@ -198,8 +264,9 @@ class Timeline:
         Path(path).write_text(json.dumps(trace, indent=None) + "\n")
 
     def plot(self, path: str | Path) -> None:
-        """Draws the timeline as a PNG: one row per cell, tasks coloured by kind with their
-        micro-batch numbers, idle time as bare row. Needs matplotlib (``gpipe_fast[plot]``)."""
+        """Draws the timeline as a PNG: one row per worker, tasks coloured by action with
+        their stage and micro-batch ("F2.5": forward of cell 2 on micro-batch 5), idle time
+        as bare row. Needs matplotlib (``gpipe_fast[plot]``)."""
         try:
             from matplotlib.figure import Figure
             from matplotlib.patches import Patch
@@ -211,39 +278,47 @@ class Timeline:
 
         end = max((s.end_s for s in self.spans), default=0.0)
         scale = 1e3  # milliseconds on the axis
-        figure = Figure(figsize=(12, 1.4 + 0.55 * self.cells), layout="constrained")
+        rows = self.rows
+        figure = Figure(figsize=(12, 1.4 + 0.55 * rows), layout="constrained")
         axes = figure.add_subplot()
         height = 0.8
-        label_min = end / 80  # blocks narrower than this carry no number
-        for cell in range(self.cells):
-            y = self.cells - 1 - cell  # cell 0 on top
+        fontsize = 7 if self.microbatches < 10 else 5
+        # A label fits a block when its text (about 0.6 em a character, on ~690 points of
+        # axis) is narrower than the block; narrower blocks carry none.
+        per_char = end * 0.6 * fontsize / 690
+        for worker in range(rows):
+            y = rows - 1 - worker  # worker 0 on top
             axes.broken_barh(
                 [(0, end * scale)], (y - height / 2, height), facecolors="#eeeeee", zorder=0
             )
-            for span in (s for s in self.spans if s.cell == cell):
+            for span in (s for s in self.spans if s.row == worker):
                 axes.broken_barh(
                     [(span.start_s * scale, span.duration_s * scale)],
                     (y - height / 2, height),
-                    facecolors=_COLOUR[span.kind],
+                    facecolors=_COLOUR.get(span.kind, _OTHER_COLOUR),
                     edgecolors="white",
                     linewidth=0.5,
                     zorder=2,
                 )
-                if span.duration_s >= label_min:
+                label = self.label(span)
+                if span.duration_s >= per_char * (len(label) + 1):
                     axes.text(
                         (span.start_s + span.duration_s / 2) * scale,
                         y,
-                        str(span.microbatch),
+                        label,
                         ha="center",
                         va="center",
                         color="white",
-                        fontsize=8 if self.microbatches < 20 else 6,
+                        fontsize=fontsize,
                         zorder=3,
                     )
+        kinds = list(dict.fromkeys(s.kind for s in sorted(self.spans, key=lambda s: s.task)))
         handles = [
-            Patch(facecolor=_COLOUR[kind], label=kind.capitalize())
-            for kind in ("forward", "recompute", "backward", "copy")
-            if any(s.kind == kind for s in self.spans)
+            Patch(
+                facecolor=_COLOUR.get(kind, _OTHER_COLOUR),
+                label=f"{_LETTER.get(kind, kind[:1].upper())}: {kind.replace('_', ' ')}",
+            )
+            for kind in kinds
         ]
         handles.append(Patch(facecolor="#eeeeee", label="idle"))
         if self.gap_s > 0:
@@ -259,14 +334,15 @@ class Timeline:
             handles.append(
                 Patch(facecolor="none", edgecolor="#999999", hatch="//", label="caller (loss)")
             )
-        axes.set_yticks(range(self.cells))
-        axes.set_yticklabels([f"cell {self.cells - 1 - y}" for y in range(self.cells)])
-        axes.set_ylim(-0.6, self.cells - 0.4)
+        axes.set_yticks(range(rows))
+        axes.set_yticklabels([self.row_name(rows - 1 - y) for y in range(rows)])
+        axes.set_ylim(-0.6, rows - 0.4)
         axes.set_xlim(0, end * scale if end > 0 else 1)
-        axes.set_xlabel("time since the step's first task (ms)")
+        axes.set_xlabel("time since the step's first task (ms); boxes: action cell.micro-batch")
         axes.set_title(
-            f"gpipe_fast step timeline: K={self.cells} cells, M={self.microbatches} "
-            f"micro-batches; bubble measured {self.bubble():.1%}, ideal {self.ideal_bubble:.1%}"
+            f"gpipe_fast {self.schedule} step: {self.cells} cells on {rows} workers, "
+            f"M={self.microbatches} micro-batches; bubble measured {self.bubble():.1%}, "
+            f"ideal {self.ideal_bubble:.1%}"
         )
         axes.legend(
             handles=handles,

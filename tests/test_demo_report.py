@@ -15,19 +15,20 @@ from gpipe_fast import demo_report as report
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 # Task ids follow _C.gpipe_forward(2, 2) and _C.gpipe_backward(2, 2, [True, False]):
-# forward 0: F(0,0), 1: F(0,1), 2: F(1,0) after 0, 3: F(1,1) after 1;
-# backward 0: B(1,1), 1: R(1,0), 2: B(1,0), 3: B(0,1) after 0, 4: R(0,0), 5: B(0,0) after 2.
+# forward 0: F(0,0), 1: F(0,1), 2: F(1,0) after 0, 3: F(1,1) after 1; backward (each cell
+# recomputes micro-batch 0 ahead, while micro-batch 1's gradient is on its way) 0: R(0,0),
+# 1: B(0,1) after 4, 2: B(0,0) after 5, 3: R(1,0), 4: B(1,1), 5: B(1,0).
 _SPANS = [
     TaskSpan("forward", "forward", 0, 0, 0.0, 1.0, task=0),
     TaskSpan("forward", "forward", 0, 1, 1.0, 2.0, task=1),
     TaskSpan("forward", "forward", 1, 0, 1.5, 2.5, task=2),  # 0.5 s after F(0,0) ended
     TaskSpan("forward", "forward", 1, 1, 2.5, 3.5, task=3),
-    TaskSpan("backward", "backward", 1, 1, 10.0, 12.0, task=0),
-    TaskSpan("backward", "recompute", 1, 0, 12.0, 13.0, task=1),
-    TaskSpan("backward", "backward", 1, 0, 13.0, 15.0, task=2),
-    TaskSpan("backward", "backward", 0, 1, 12.0, 14.0, task=3),
-    TaskSpan("backward", "recompute", 0, 0, 14.0, 15.0, task=4),
-    TaskSpan("backward", "backward", 0, 0, 15.25, 17.25, task=5),  # 0.25 s after B(1,0)
+    TaskSpan("backward", "recompute", 1, 0, 10.0, 11.0, task=3),
+    TaskSpan("backward", "backward", 1, 1, 11.0, 13.0, task=4),
+    TaskSpan("backward", "backward", 1, 0, 13.0, 15.0, task=5),
+    TaskSpan("backward", "recompute", 0, 0, 10.0, 11.0, task=0),
+    TaskSpan("backward", "backward", 0, 1, 13.0, 15.0, task=1),
+    TaskSpan("backward", "backward", 0, 0, 15.25, 17.25, task=2),  # 0.25 s after B(1,0)
 ]
 _ALONE = report.AloneCosts(forward=0.5, forward_grad=0.8, backward=1.6)
 

@@ -68,7 +68,7 @@ def test_recording_gives_spans_that_respect_dependencies() -> None:
     for task_id, task in enumerate(schedule.tasks):
         for dep in task.deps:
             assert spans[dep][1] <= spans[task_id][0]
-    assert executor.cell_clocks() == ["host", "host"]  # the host backend: the steady clock
+    assert executor.worker_clocks() == ["host", "host"]  # the host backend: the steady clock
     assert executor.live_timing_events == executor.pooled_timing_events == 0
     executor.close()
 
@@ -79,7 +79,7 @@ def test_closed_executor_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="worker"):
         _C.Executor(0)
     executor = _C.Executor(2)
-    with pytest.raises(ValueError, match="cells"):
+    with pytest.raises(ValueError, match="3 workers but the executor has 2"):
         executor.run(_C.gpipe_forward(3, 1), lambda *a: None)
     executor.close()
     with pytest.raises(ValueError, match="closed"):

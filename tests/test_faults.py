@@ -5,11 +5,14 @@ Ctrl-C (SIGINT) during a long step stops it the same way."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,14 +143,14 @@ def _schedule_order(phase: str, cell: int, checkpoint: str) -> list[int]:
     """The micro-batches of `cell`'s forward or backward tasks, in the order its worker runs
     them (the order in which it calls receive)."""
     if phase == "forward":
-        schedule, kind = _C.gpipe_forward(K, M), _C.TaskKind.Forward
+        schedule, kind = _C.gpipe_forward(K, M), _C.actions().index("forward")
     else:
         recompute = [
             checkpoint == "always" or (checkpoint == "except_last" and m < M - 1) for m in range(M)
         ]
-        schedule, kind = _C.gpipe_backward(K, M, recompute), _C.TaskKind.Backward
+        schedule, kind = _C.gpipe_backward(K, M, recompute), _C.actions().index("backward")
     tasks = [schedule.tasks[i] for i in schedule.order(cell)]
-    return [task.microbatch for task in tasks if task.kind == kind]
+    return [task.microbatch for task in tasks if task.action == kind]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
@@ -246,10 +249,10 @@ _INTERRUPT_SCRIPT = textwrap.dedent(
     held = {"forward": False, "backward": False}
     entered = []  # one entry per Slow task started in the phase under test
 
-    def enter(phase):
-        if not held[phase]:
+    def enter(pass_):
+        if not held[pass_]:
             return
-        entered.append(phase)
+        entered.append(pass_)
         if len(entered) == 1:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this task is in flight
             if not gate.wait(timeout=120):
@@ -297,24 +300,28 @@ _INTERRUPT_SCRIPT = textwrap.dedent(
     # No forced GIL hand-over while the handler runs: a woken worker gets the GIL only once
     # the main thread has cancelled the run and waits, so "started no other task" is exact.
     sys.setswitchinterval(1000.0)
-    for phase in ("forward", "backward"):
+    # train_step runs every pass in one run; it is held at its first forward task.
+    for phase in ("forward", "backward", "train_step"):
         out = pipe(x) if phase == "backward" else None
+        held_pass = "backward" if phase == "backward" else "forward"
         gate.clear()
         entered.clear()
         at_signal.clear()
-        held[phase] = True
+        held[held_pass] = True
         try:
             if phase == "forward":
                 pipe(x)
-            else:
+            elif phase == "backward":
                 out.sum().backward()
+            else:
+                pipe.train_step(x, x, lambda out, target: (out - target).pow(2).mean())
         except KeyboardInterrupt:
             # 32 micro-batches x 2 cells were scheduled; how many tasks started at all.
             print(phase, at_signal[0], len(entered), flush=True)
         else:
             print(phase, "not interrupted: ran all", len(entered), "tasks", flush=True)
             sys.exit(3)
-        held[phase] = False
+        held[held_pass] = False
         del out
         check_step(pipe, model, x)  # the same pipe runs a normal step
     print("recovered", flush=True)
@@ -334,9 +341,109 @@ def test_ctrl_c_stops_a_long_step_and_pipe_recovers(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["forward", "backward", "recovered"], output
-    for line in lines[:2]:
+    phases = ["forward", "backward", "train_step", "recovered"]
+    assert [line.split()[0] for line in lines] == phases, output
+    for line in lines[:3]:
         # The signal came while the phase's first task (of 64) was held; workers finished
         # that task and started no other: one task started in all, before and after Ctrl-C.
         _, before_signal, in_all = line.split()
         assert (int(before_signal), int(in_all)) == (1, 1), output
+
+
+# -- train_step: the same guarantees for every schedule's actions ---------------------------
+
+SCHEDULE_DEVICES = {"gpipe": K, "1f1b": K, "zero_bubble": K, "interleaved": 1}
+
+
+def _tagged_loss(faults: _Faults) -> Any:
+    """MSE against the features that raises in micro-batch m's loss when targeted."""
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        target_m = int(target[0, -1].item()) // MICROBATCH
+        if faults.target == (K - 1, target_m, "loss"):
+            raise PlantedError(f"planted in the loss of micro-batch {target_m}")
+        return nn.functional.mse_loss(out[:, :-1], target[:, :-1])
+
+    return loss_fn
+
+
+def _train_reference(module: nn.Sequential, x: torch.Tensor, loss_fn: Any) -> list[torch.Tensor]:
+    ref = copy.deepcopy(module)
+    loss_fn(ref(x), x).backward()
+    return [p.grad.clone() for p in ref.parameters()]  # type: ignore[union-attr]
+
+
+def _train_cases() -> list[tuple[str, int, int, str]]:
+    cases = []
+    for schedule in SCHEDULE_DEVICES:
+        wheres = ["forward", "recompute", "loss", "backward"]
+        if schedule == "zero_bubble":
+            wheres = ["forward", "recompute", "loss", "backward_input", "backward_weight"]
+        for where, cell, m in itertools.product(wheres, (0, K - 1), (0, M - 1)):
+            if where == "loss" and cell != K - 1:
+                continue  # the loss belongs to the last cell
+            cases.append((schedule, cell, m, where))
+    return cases
+
+
+@pytest.mark.parametrize(("schedule", "cell", "m", "where"), _train_cases())
+def test_fault_in_a_train_step_action_reaches_caller_and_pipe_recovers(
+    make_pipe, schedule: str, cell: int, m: int, where: str
+) -> None:
+    module, faults = _planted_model()
+    checkpoint = "always" if where == "recompute" else "never"
+    pipe = make_pipe(module, [3] * K, devices=["cpu"] * SCHEDULE_DEVICES[schedule], chunks=M,
+                     checkpoint=checkpoint, schedule=schedule)  # fmt: skip
+    x = _tagged_input()
+    loss_fn = _tagged_loss(faults)
+    pipe.train_step(x, x, loss_fn)  # the workers exist, and their Python state
+    workers = native_threads("gpipe-cell")
+    hook = None
+    if where == "backward_weight":
+        # Weight gradients are computed by backward_weight alone, micro-batches in order.
+        calls = iter(range(M))
+
+        def raise_at_m(grad: torch.Tensor) -> torch.Tensor:
+            if next(calls) == m:
+                raise PlantedError(f"planted in the backward_weight of micro-batch {m}")
+            return grad
+
+        hook = module[3 * cell].inner.weight.register_hook(raise_at_m)
+    else:
+        faults.target = (cell, m, "backward" if where == "backward_input" else where)
+    with no_hang(), pytest.raises(PlantedError) as caught:
+        pipe.train_step(x, x, loss_fn)
+    _check_error(caught.value, cell, m, f"{where} pass", f"planted in the {where.split('_')[0]}")
+    faults.target = None
+    if hook is not None:
+        hook.remove()
+    assert pipe._pipeline.executor.live_events == 0
+    module.zero_grad(set_to_none=True)
+    with no_hang():
+        pipe.train_step(x, x, loss_fn)
+    for got, want in zip(module.parameters(), _train_reference(module, x, loss_fn), strict=True):
+        torch.testing.assert_close(got.grad, want, rtol=1e-10, atol=1e-12)
+    assert native_threads("gpipe-cell") == workers
+
+
+def test_train_step_times_out_naming_the_cell(make_pipe) -> None:
+    release = threading.Event()
+    inside = threading.Event()
+
+    class Stall(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled() or release.is_set():
+                return x
+            inside.set()
+            release.wait(timeout=1.0)  # past the step's limit, within the 2 s grace period
+            return x
+
+    pipe = make_pipe(nn.Sequential(nn.Linear(3, 3), Stall()), [1, 1], devices=["cpu"] * 2,
+                     chunks=2, schedule="1f1b")  # fmt: skip
+    pipe.step_timeout = 0.3
+    x = torch.randn(4, 3)
+    with no_hang(), pytest.raises(TimeoutError, match=r"cell 1 never finished its forward"):
+        pipe.train_step(x, x, nn.functional.mse_loss)
+    assert inside.is_set()
+    release.set()  # the stalled task returned within the grace period: the pipe works again
+    pipe.train_step(x, x, nn.functional.mse_loss)

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
+from gpipe_fast import _C
+from gpipe_fast.predict import StageCosts, predict
 
 from helpers import Sleepy, funnel
 
@@ -52,21 +54,63 @@ def test_plan_uses_given_balance_and_layer_names() -> None:
     assert "body..head" in str(result)
 
 
-def test_plan_by_time() -> None:
-    module = nn.Sequential(*[Sleepy(5) for _ in range(4)], Sleepy(30))
-    result = gf.plan(module, torch.randn(4, 8), 2, 4, warmup=1, repeats=3)
-    assert result.balance == [4, 1] and result.unit == "s"
-    # Nothing learns, so there is no backward. The forward is the measured cell times run
-    # through the fill-drain schedule: two cells of tasks a = c0 / M and b = c1 / M end
-    # after max(a + M b, M a + b), and the cells are busy c0 + c1 of it.
-    assert result.backward_time == 0.0
-    first, second = (cell.cost for cell in result.cells)
-    assert first > 0.0 and second > 0.0
-    chunks = result.chunks
-    want = max(first / chunks + second, first + second / chunks)
-    assert result.forward_time == pytest.approx(want, rel=1e-9)
-    assert result.step_time == result.forward_time
-    assert result.bubble == pytest.approx(1 - (first + second) / (2 * want), rel=1e-9)
+_SEEN: list[tuple[int, int]] = []  # shared by the copies profiling makes of the layer
+
+
+class _Witness(nn.Module):
+    """Identity that records the batch size and intra-op threads it runs with."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SEEN.append((x.size(0), torch.get_num_threads()))
+        return x
+
+
+def test_plan_by_time_profiles_as_the_cells_run() -> None:
+    # Each layer is timed on one micro-batch (the largest: 13 rows split in 4 gives 4, 3, 3,
+    # 3), with the threads each CPU cell's worker gets, and the caller's threads restored.
+    _SEEN.clear()
+    module = nn.Sequential(nn.Linear(8, 8), _Witness(), nn.Linear(8, 8), nn.Linear(8, 8))
+    before = torch.get_num_threads()
+    result = gf.plan(module, torch.randn(13, 8), 2, 4, warmup=1, repeats=2)
+    cell_threads = gf.gpipe._default_threads_per_cell([torch.device("cpu")] * 2)
+    assert result.threads == cell_threads
+    # The timed passes run on a micro-batch (a pass on the whole sample measures output sizes).
+    timed = [seen for seen in _SEEN if seen[0] != 13]
+    assert timed and {size for size, _ in timed} == {4}
+    assert {threads for _, threads in timed} == {cell_threads or before}
+    assert torch.get_num_threads() == before
+    assert result.overhead > 0  # the runtime's cost per task, measured
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
+def test_plan_step_is_the_schedule_simulated_with_its_costs(schedule: str) -> None:
+    # The prediction is the schedule of that kind run by the simulator with the measured
+    # per-micro-batch costs of each cell plus the overhead on every task.
+    module = nn.Sequential(*[Sleepy(2, 1) for _ in range(4)])
+    devices = 2 if schedule == "interleaved" else None
+    result = gf.plan(module, torch.randn(8, 4), 4, 4, warmup=1, repeats=2, schedule=schedule,
+                     devices=devices)  # fmt: skip
+    assert result.schedule == schedule and result.balance == [1, 1, 1, 1]
+    steps = _C.make_schedule(schedule, 4, devices or 4, 4, "never")
+    # Nothing learns: no backward flows; each cell costs its forward.
+    costs = [StageCosts(forward=cell.cost, backward=0.0) for cell in result.cells]
+    want = predict(steps, costs, result.overhead)
+    assert result.step_time == pytest.approx(want.step_time, rel=1e-12)
+    assert result.bubble == pytest.approx(want.bubble, rel=1e-12)
+
+
+def test_predict_adds_the_overhead_to_every_task() -> None:
+    steps = _C.make_schedule("1f1b", 2, 2, 3, "never")
+    costs = [StageCosts(forward=1.0, backward=2.0, loss=0.5)] * 2
+    plain = predict(steps, costs)
+    # 1F1B on 2 stages, 3 micro-batches: 3 forwards, 3 backwards per stage, losses on the
+    # last: (M + K - 1) forward and backward slots on the critical path plus the losses.
+    assert plain.step_time == pytest.approx(3 * 3 + 3 * 1 + 3 * 0.5)
+    # Every task 0.25 longer (F 1.25, L 0.75, B 2.25), by hand: stage 0 runs F0 [0, 1.25],
+    # F1, B0 [5.5, 7.75], F2 [7.75, 9], B1 [9.75, 12] and B2 [14, 16.25], after stage 1's B2.
+    assert predict(steps, costs, overhead=0.25).step_time == pytest.approx(16.25)
+    with pytest.raises(ValueError, match="costs: got 1 stages"):
+        predict(steps, costs[:1])
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])

@@ -73,13 +73,13 @@ def _assert_spans_follow_schedules(
         for task_id, task in enumerate(schedule.tasks):
             span = by_task[task_id]
             assert (span.kind, span.cell, span.microbatch) == (
-                task.kind.name.lower(),
-                task.cell,
+                _C.actions()[task.action],
+                task.stage,
                 task.microbatch,
             )
             assert span.start_s <= span.end_s
             for dep in task.deps:  # starts only after its dependencies ended
-                slack = 0.0 if by_task[dep].cell == task.cell else slack_s
+                slack = 0.0 if by_task[dep].cell == task.stage else slack_s
                 assert by_task[dep].end_s <= span.start_s + slack
         for cell in range(cells):  # per cell: the schedule's order, no overlap
             mine = sorted((s for s in spans if s.cell == cell), key=lambda s: (s.start_s, s.end_s))
@@ -111,13 +111,13 @@ def test_bubble_arithmetic_on_exact_ticks() -> None:
     forward = _C.gpipe_forward(cells, chunks)
     backward = _C.gpipe_backward(cells, chunks, [False] * chunks)
     forward_spans = [
-        (i, (t.microbatch + t.cell) * tick, (t.microbatch + t.cell + 1) * tick)
+        (i, (t.microbatch + t.stage) * tick, (t.microbatch + t.stage + 1) * tick)
         for i, t in enumerate(forward.tasks)
     ]
     start = (chunks + cells - 1) * tick + gap
     backward_spans = []
     for i, t in enumerate(backward.tasks):
-        slot = (chunks - 1 - t.microbatch) + (cells - 1 - t.cell)
+        slot = (chunks - 1 - t.microbatch) + (cells - 1 - t.stage)
         backward_spans.append((i, start + slot * tick, start + (slot + 1) * tick))
     timeline = Timeline.from_runs(
         [("forward", forward, forward_spans), ("backward", backward, backward_spans)]
@@ -282,7 +282,7 @@ def test_from_runs_checks_the_cells_clocks(tmp_path: Path) -> None:
     }
     assert clocks == {0: "host", 1: "cuda"}
     assert Timeline.from_runs([("forward", schedule, spans)]).clocks == ()
-    with pytest.raises(ValueError, match="1 clocks for 2 cells"):
+    with pytest.raises(ValueError, match="1 clocks for 2 workers"):
         Timeline.from_runs([("forward", schedule, spans)], clocks=["host"])
     with pytest.raises(ValueError, match="clock"):
         Timeline.from_runs([("forward", schedule, spans)], clocks=["host", "tpu"])
@@ -294,7 +294,7 @@ def test_cuda_backend_times_cpu_cells_on_the_host_without_cuda_calls() -> None:
     spans as with the host backend, and not one timing event."""
     executor = _C.Executor(2, "cuda")  # streams default to host streams
     executor.set_recording(True)
-    assert executor.cell_clocks() == ["host", "host"]
+    assert executor.worker_clocks() == ["host", "host"]
     schedule = _C.gpipe_forward(2, 3)
     before = time.monotonic_ns()
     executor.run(schedule, lambda kind, cell, m: time.sleep(0.001))
@@ -343,9 +343,9 @@ def test_cuda_span_is_the_streams_time_not_the_callbacks() -> None:
     executor = _C.Executor(2, "cuda")
     executor.set_streams([_C.Stream(0, s.cuda_stream) for s in streams])
     executor.set_recording(True)
-    assert executor.cell_clocks() == ["cuda", "cuda"]
+    assert executor.worker_clocks() == ["cuda", "cuda"]
     schedule = _C.gpipe_forward(2, 3)
-    sleeper = next(i for i, t in enumerate(schedule.tasks) if (t.cell, t.microbatch) == (0, 1))
+    sleeper = next(i for i, t in enumerate(schedule.tasks) if (t.stage, t.microbatch) == (0, 1))
     host_ns: dict[int, int] = {}
 
     def task(kind: object, cell: int, microbatch: int) -> None:
@@ -427,3 +427,42 @@ def test_recording_off_creates_no_timing_events(make_pipe: Any) -> None:
     pipe(x).sum().backward()
     assert len(pipe.timeline().spans) > 0
     assert executor.live_timing_events == 0 and executor.live_events == 0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble"])
+def test_train_step_is_recorded_for_every_schedule(
+    make_pipe: Any, tmp_path: Path, schedule: str
+) -> None:
+    workers = 2 if schedule == "interleaved" else 4
+    pipe = make_pipe(_mlp(4), [1] * 4, devices=["cpu"] * workers, chunks=3,
+                     checkpoint="except_last", schedule=schedule)  # fmt: skip
+    x = torch.randn(6, 6, dtype=torch.float64)
+    pipe.record_timeline()
+    pipe.train_step(x, x, torch.nn.functional.mse_loss)
+    timeline = pipe.timeline()
+    schedule_run, _ = pipe._pipeline.recorded["step"]
+    assert (timeline.cells, timeline.workers, timeline.schedule) == (4, workers, schedule)
+    assert {s.phase for s in timeline.spans} == {"step"}
+    assert sorted(s.task for s in timeline.spans) == list(range(len(schedule_run.tasks)))
+    kinds = {s.kind for s in timeline.spans}
+    assert {"forward", "loss"} <= kinds
+    split = {"backward_input", "backward_weight"}
+    assert (split <= kinds) == (schedule == "zero_bubble")
+    assert ("backward" in kinds) == (schedule != "zero_bubble")
+    for span in timeline.spans:
+        assert span.worker == span.cell % workers
+    for worker in range(workers):  # each worker runs its program in order, no overlap
+        mine = sorted((s for s in timeline.spans if s.worker == worker), key=lambda s: s.start_s)
+        assert [s.task for s in mine] == schedule_run.order(worker)
+        for before, after in itertools.pairwise(mine):
+            assert before.end_s <= after.start_s
+    assert 0 <= timeline.bubble() < 1
+    path = tmp_path / f"{schedule}.png"
+    pytest.importorskip("matplotlib")
+    timeline.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = tmp_path / f"{schedule}.json"
+    timeline.to_chrome_trace(trace)
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert len(names) == len(timeline.spans)
+    assert any(name.startswith("L3.") for name in names)  # the loss of cell 3

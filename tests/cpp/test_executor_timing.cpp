@@ -16,6 +16,7 @@
 #include "gpipe_fast/device.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/executor.hpp"
+#include "gpipe_fast/generators.hpp"
 #include "gpipe_fast/schedule.hpp"
 #include "gpipe_fast/task_clock.hpp"
 
@@ -113,7 +114,7 @@ struct Rig {
 
   // Runs to the end with the clock told when the run is in flight (from start()'s return,
   // which may calibrate before it hands the run to the workers, to the run's end).
-  void run(const Schedule& schedule, const gpipe_fast::TaskFn& fn) {
+  void run(const std::shared_ptr<const Schedule>& schedule, const gpipe_fast::TaskFn& fn) {
     executor.start(schedule, fn);
     clock->set_running(true);
     executor.wait_for(std::chrono::milliseconds(5000));
@@ -145,7 +146,7 @@ void check_spans_follow_schedule(const Schedule& s, const std::vector<TaskSpan>&
 
 TEST(timing_off_makes_no_clock_calls) {
   Rig rig(mixed_streams());
-  const Schedule s = gpipe_fast::gpipe_forward(3, 4);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 4));
   rig.run(s, [](const Task&) {});
   CHECK(rig.executor.last_spans().empty());
   CHECK_EQ(rig.clock->calibrations.load(), 0);
@@ -155,12 +156,12 @@ TEST(timing_off_makes_no_clock_calls) {
 
 TEST(timing_stamps_around_each_task_and_resolves_only_when_read) {
   Rig rig(mixed_streams());
-  CHECK(rig.executor.cell_clocks() == (std::vector<std::string>{"deferred", "host", "deferred"}));
+  CHECK(rig.executor.worker_clocks() == (std::vector<std::string>{"deferred", "host", "deferred"}));
   rig.executor.set_recording(true);
   CHECK_EQ(rig.clock->calibrations.load(), 1);  // at switch-on, outside any run
-  const Schedule s = gpipe_fast::gpipe_backward(3, 4, {true, false, true, false});
-  const int tasks = static_cast<int>(s.tasks().size());
-  const int device_tasks = static_cast<int>(s.order(0).size() + s.order(2).size());
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_backward(3, 4, {true, false, true, false}));
+  const int tasks = static_cast<int>(s->tasks().size());
+  const int device_tasks = static_cast<int>(s->order(0).size() + s->order(2).size());
   rig.run(s, [](const Task&) {});
   CHECK_EQ(rig.clock->stamps.load(), 2 * tasks);
   CHECK_EQ(rig.clock->resolves.load(), 0);  // nothing read until the spans are
@@ -168,7 +169,7 @@ TEST(timing_stamps_around_each_task_and_resolves_only_when_read) {
   const auto spans = rig.executor.last_spans();
   CHECK_EQ(rig.clock->live_events(), std::int64_t{0});
   CHECK_EQ(rig.clock->misuse.load(), 0);
-  check_spans_follow_schedule(s, spans);
+  check_spans_follow_schedule(*s, spans);
   CHECK_EQ(rig.clock->resolves.load(), 2 * tasks);  // host stamps pass through resolve too
   // A second read returns the same spans without resolving again.
   const int resolves = rig.clock->resolves.load();
@@ -180,7 +181,7 @@ TEST(timing_stamps_around_each_task_and_resolves_only_when_read) {
 }
 
 TEST(timing_unread_run_is_released_by_the_next_run_and_at_teardown) {
-  const Schedule s = gpipe_fast::gpipe_forward(3, 2);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 2));
   std::shared_ptr<DeferredClock> clock;
   {
     Rig rig(mixed_streams());
@@ -190,23 +191,23 @@ TEST(timing_unread_run_is_released_by_the_next_run_and_at_teardown) {
     CHECK(clock->live_events() > 0);  // unread: the events wait for last_spans()
     rig.run(s, [](const Task&) {});   // the unread run's events go back at its start
     CHECK_EQ(clock->live_events(), std::int64_t{2 * 2 * 2});  // this run's: 2 cells x 2 x 2
-    check_spans_follow_schedule(s, rig.executor.last_spans());
+    check_spans_follow_schedule(*s, rig.executor.last_spans());
     rig.run(s, [](const Task&) {});
     CHECK(clock->live_events() > 0);
   }  // destroyed with a run unread
   CHECK_EQ(clock->live_events(), std::int64_t{0});
-  CHECK_EQ(clock->resolves.load(), 2 * static_cast<int>(s.tasks().size()));
+  CHECK_EQ(clock->resolves.load(), 2 * static_cast<int>(s->tasks().size()));
   CHECK_EQ(clock->misuse.load(), 0);
 }
 
 TEST(timing_failed_task_leaves_no_span_and_no_event) {
   Rig rig(mixed_streams());
   rig.executor.set_recording(true);
-  const Schedule s = gpipe_fast::gpipe_forward(3, 3);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 3));
   bool threw = false;
   try {
     rig.run(s, [](const Task& task) {
-      if (task.cell == 2 && task.microbatch == 1) throw std::runtime_error("boom");
+      if (task.stage == 2 && task.microbatch == 1) throw std::runtime_error("boom");
     });
   } catch (const std::runtime_error&) {
     threw = true;
@@ -215,8 +216,8 @@ TEST(timing_failed_task_leaves_no_span_and_no_event) {
   const auto spans = rig.executor.last_spans();
   CHECK_EQ(rig.clock->live_events(), std::int64_t{0});
   const bool failed_has_span = std::any_of(spans.begin(), spans.end(), [&](const TaskSpan& span) {
-    const Task& task = s.task(span.task);
-    return task.cell == 2 && task.microbatch >= 1;
+    const Task& task = s->task(span.task);
+    return task.stage == 2 && task.microbatch >= 1;
   });
   CHECK(!failed_has_span);
   CHECK(!spans.empty());
@@ -225,7 +226,7 @@ TEST(timing_failed_task_leaves_no_span_and_no_event) {
 TEST(timing_read_failure_releases_every_event_and_rethrows) {
   Rig rig(mixed_streams());
   rig.executor.set_recording(true);
-  const Schedule s = gpipe_fast::gpipe_forward(3, 3);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 3));
   rig.run(s, [](const Task&) {});
   rig.clock->fail_resolves = true;
   CHECK_THROWS(rig.executor.last_spans(), std::runtime_error);
@@ -233,17 +234,17 @@ TEST(timing_read_failure_releases_every_event_and_rethrows) {
   CHECK(rig.executor.last_spans().empty());  // that run's spans are lost, nothing stale
   rig.clock->fail_resolves = false;
   rig.run(s, [](const Task&) {});
-  check_spans_follow_schedule(s, rig.executor.last_spans());
+  check_spans_follow_schedule(*s, rig.executor.last_spans());
 }
 
 TEST(timing_last_spans_refused_during_a_run) {
   Rig rig(mixed_streams());
   rig.executor.set_recording(true);
-  const Schedule s = gpipe_fast::gpipe_forward(3, 1);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 1));
   std::atomic<bool> release{false};
   std::atomic<bool> inside{false};
   rig.executor.start(s, [&](const Task& task) {
-    if (task.cell != 0) return;
+    if (task.stage != 0) return;
     inside = true;
     while (!release) std::this_thread::yield();
   });
@@ -251,17 +252,17 @@ TEST(timing_last_spans_refused_during_a_run) {
   CHECK_THROWS(rig.executor.last_spans(), InvalidArgument);
   release = true;
   rig.executor.finish();
-  check_spans_follow_schedule(s, rig.executor.last_spans());
+  check_spans_follow_schedule(*s, rig.executor.last_spans());
   CHECK_EQ(rig.clock->live_events(), std::int64_t{0});
 }
 
 TEST(timing_calibrates_before_runs_when_recording_was_switched_on_mid_run) {
   Rig rig(mixed_streams());
-  const Schedule s = gpipe_fast::gpipe_forward(3, 1);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(3, 1));
   std::atomic<bool> release{false};
   std::atomic<bool> inside{false};
   rig.executor.start(s, [&](const Task& task) {
-    if (task.cell != 0) return;
+    if (task.stage != 0) return;
     inside = true;
     while (!release) std::this_thread::yield();
   });
@@ -276,21 +277,21 @@ TEST(timing_calibrates_before_runs_when_recording_was_switched_on_mid_run) {
   CHECK(rig.executor.last_spans().empty());
   rig.run(s, [](const Task&) {});
   CHECK_EQ(rig.clock->calibrations.load(), 1);
-  check_spans_follow_schedule(s, rig.executor.last_spans());
+  check_spans_follow_schedule(*s, rig.executor.last_spans());
   CHECK_EQ(rig.clock->misuse.load(), 0);
 }
 
 TEST(timing_host_executor_keeps_steady_clock_spans) {
   // The default clock: every cell timed on its worker by the steady clock, as before.
   Executor executor(2, gpipe_fast::make_host_sync());
-  CHECK(executor.cell_clocks() == (std::vector<std::string>{"host", "host"}));
+  CHECK(executor.worker_clocks() == (std::vector<std::string>{"host", "host"}));
   executor.set_recording(true);
-  const Schedule s = gpipe_fast::gpipe_forward(2, 3);
+  const auto s = std::make_shared<const Schedule>(gpipe_fast::gpipe_forward(2, 3));
   const std::int64_t before = gpipe_fast::steady_now_ns();
   executor.run(s, [](const Task&) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); });
   const std::int64_t after = gpipe_fast::steady_now_ns();
   const auto spans = executor.last_spans();
-  check_spans_follow_schedule(s, spans);
+  check_spans_follow_schedule(*s, spans);
   for (const TaskSpan& span : spans) {
     CHECK(before <= span.start_ns && span.end_ns <= after);
     CHECK(span.end_ns - span.start_ns >= 1'000'000);  // the sleep is inside the span

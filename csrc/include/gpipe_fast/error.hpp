@@ -19,6 +19,19 @@ class CudaError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A run took longer than its limit and was cancelled; Python sees TimeoutError.
+class StepTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A run was stopped because its caller asked (Ctrl-C); Python sees the pending signal's
+// exception (KeyboardInterrupt).
+class Interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A memory resource could not satisfy a request; Python sees MemoryError.
 class OutOfMemory : public std::bad_alloc {
  public:

@@ -1,13 +1,10 @@
-// Runs a schedule with one persistent worker thread per cell; carries the first error back.
+// Runs a schedule with one persistent worker thread per worker; carries the first error back.
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,11 +16,11 @@
 namespace gpipe_fast {
 
 // Does the compute of one task (in gpipe_fast: a call back into Python). Runs on the task's
-// cell's worker thread; may throw, and the first exception ends the run.
+// worker thread; may throw, and the first exception ends the run.
 using TaskFn = std::function<void(const Task&)>;
 
-// What one cell's worker is doing: inside `task`, blocked before it on a dependency, or done.
-struct CellState {
+// What one worker is doing: inside `task`, blocked before it on a dependency, or done.
+struct WorkerState {
   enum class Phase : std::uint8_t { Done, Waiting, Running };
   int task = -1;
   Phase phase = Phase::Done;
@@ -37,6 +34,21 @@ struct TaskSpan {
   std::int64_t end_ns = 0;
 };
 
+// How a blocking run is watched from the calling thread.
+struct RunControl {
+  // > 0: a run still going after this many seconds is cancelled with StepTimeout.
+  double timeout_s = 0.0;
+  // Polled on the calling thread between waits; true stops the run with Interrupted once
+  // every worker has finished its current task (Ctrl-C). It may cancel() the run itself,
+  // while it still holds what the tasks need (the GIL), so that none starts in between.
+  std::function<bool()> interrupted;
+  std::chrono::milliseconds poll{50};
+  // After a timeout, how long the running tasks get to return. A task still running then
+  // cannot be stopped from outside: its workers are abandoned (left running, never joined)
+  // and the executor refuses further runs.
+  std::chrono::milliseconds patience{2000};
+};
+
 class Executor {
  public:
   // `on_thread_exit` runs on each worker thread just before it ends (the bindings use it to
@@ -44,15 +56,17 @@ class Executor {
   Executor(int workers, std::shared_ptr<StreamSync> sync,
            std::function<void()> on_thread_exit = {},
            std::shared_ptr<TaskClock> clock = make_host_clock());
-  ~Executor();  // cancels a run in flight and joins the workers
+  // Cancels a run in flight and joins the workers; an abandoned executor's workers are
+  // detached instead and end, with the state they share, once their stuck task returns.
+  ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  int workers() const { return static_cast<int>(threads_.size()); }
-  const StreamSync& sync() const { return *sync_; }
-  const TaskClock& clock() const { return *clock_; }
+  int workers() const;
+  const StreamSync& sync() const;
+  const TaskClock& clock() const;
 
-  // Sets the stream each cell's tasks run on (one per cell; host backend ignores handles).
+  // Sets the stream each worker's tasks run on (host backend ignores handles).
   void set_streams(std::vector<Stream> streams);
 
   // Records task spans in the next runs when on (off by default: then nothing is timed and
@@ -60,12 +74,13 @@ class Executor {
   // host clock at once, so that runs rarely have to (start() renews stale anchors).
   void set_recording(bool on);
 
-  // Blocking run: start + wait + finish.
-  void run(const Schedule& schedule, TaskFn fn);
+  // Blocking run under `control`: start, watch, finish. Rethrows the first task error;
+  // throws Interrupted or StepTimeout (naming what each worker was doing) when stopped.
+  void run(std::shared_ptr<const Schedule> schedule, TaskFn fn, const RunControl& control = {});
 
-  // Hands the schedule to the workers and returns at once. The schedule and fn must stay
-  // alive until finish() returns.
-  void start(const Schedule& schedule, TaskFn fn);
+  // Hands the schedule (validated here, once) to the workers and returns at once; the run
+  // keeps it and fn until finish() (an abandoned run: until its workers end).
+  void start(std::shared_ptr<const Schedule> schedule, TaskFn fn);
   // Waits up to `timeout` for the run to end; true when it has.
   bool wait_for(std::chrono::milliseconds timeout);
   // Workers finish the task they are in and start no other.
@@ -73,59 +88,30 @@ class Executor {
   // Waits for the run to end, releases its events, rethrows its first error if any.
   void finish();
 
-  // Each cell's progress in the run in flight (for a watchdog's report).
-  std::vector<CellState> cell_states() const;
+  // Each worker's progress in the run in flight (for a watchdog's report).
+  std::vector<WorkerState> worker_states() const;
+  // True once a timed-out run left a task running: no further run is accepted.
+  bool abandoned() const;
 
   // Spans of the last finished run, in task-id order of the tasks that ran. On CUDA streams
   // the first call waits for the run's timing events and releases them; a run whose spans
   // are never read releases them when the next run starts. Not during a run.
   std::vector<TaskSpan> last_spans();
-  // Per cell, the clock that times its tasks: "host" or "cuda" (TaskClock::name).
-  std::vector<std::string> cell_clocks() const;
+  // Per worker, the clock that times its tasks: "host" or "cuda" (TaskClock::name).
+  std::vector<std::string> worker_clocks() const;
   // Runs finished since construction (a worker-lifetime check for soak tests).
   std::int64_t runs() const;
 
+  struct State;  // shared with the worker threads (see the destructor)
+
  private:
-  void worker_main(int cell);
-  void run_cell(int cell);
-  bool ready(const Task& task) const;  // caller holds mutex_
-  void discard_unread();                // caller holds mutex_
-
-  // A recorded task: its stamps become a TaskSpan when the spans are read.
-  struct StampedSpan {
-    int task = -1;
-    Stamp start;
-    Stamp end;
-  };
-
-  std::shared_ptr<StreamSync> sync_;
-  std::shared_ptr<TaskClock> clock_;
-  std::function<void()> on_thread_exit_;
-  std::vector<Stream> streams_;
-  bool recording_ = false;
-
-  mutable std::mutex mutex_;
-  std::condition_variable work_cv_;   // workers wait for a run or shutdown
-  std::condition_variable task_cv_;   // workers wait for dependencies
-  std::condition_variable done_cv_;   // the caller waits for the run's end
-
-  // State of the run in flight, guarded by mutex_.
-  const Schedule* schedule_ = nullptr;
-  TaskFn fn_;
-  std::uint64_t generation_ = 0;
-  int cells_running_ = 0;
-  bool aborted_ = false;
-  bool shutdown_ = false;
-  std::vector<char> done_;
-  std::vector<EventId> events_;
-  std::vector<CellState> cell_states_;
-  std::vector<StampedSpan> spans_;   // the run in flight's, by task id
-  std::vector<StampedSpan> unread_;  // the last finished run's, until last_spans() reads them
-  std::vector<TaskSpan> last_spans_;
-  std::exception_ptr error_;
-  std::int64_t runs_ = 0;
-
+  std::shared_ptr<State> state_;
   std::vector<std::thread> threads_;
 };
+
+// "cell 1 never finished its forward of micro-batch 3; cell 0 was waiting to start its
+// backward of micro-batch 2": what each worker was doing, for a timeout's message. (A cell
+// is a stage: GPipe's name for it.)
+std::string describe_progress(const Schedule& schedule, const std::vector<WorkerState>& states);
 
 }  // namespace gpipe_fast

@@ -1,4 +1,4 @@
-// Predicts a schedule's timeline from per-task costs (list scheduling in per-cell order).
+// Predicts a schedule's timeline from per-task costs (list scheduling in per-worker order).
 #include <algorithm>
 #include <numeric>
 
@@ -18,19 +18,19 @@ SimulatedTimeline simulate(const Schedule& schedule, const std::vector<double>& 
   SimulatedTimeline timeline;
   timeline.start.assign(tasks.size(), 0.0);
   timeline.end.assign(tasks.size(), -1.0);
-  std::vector<std::size_t> cursor(static_cast<std::size_t>(schedule.cells()), 0);
-  std::vector<double> cell_free(static_cast<std::size_t>(schedule.cells()), 0.0);
+  std::vector<std::size_t> cursor(static_cast<std::size_t>(schedule.workers()), 0);
+  std::vector<double> worker_free(static_cast<std::size_t>(schedule.workers()), 0.0);
 
-  // Each sweep starts every cell's next task whose dependencies are finished; the schedule
-  // is acyclic (validated), so every sweep makes progress until all tasks are placed.
+  // Each sweep starts every worker's next task whose dependencies are finished; the schedule
+  // cannot deadlock (validated), so every sweep makes progress until all tasks are placed.
   std::size_t placed = 0;
   while (placed < tasks.size()) {
-    for (int cell = 0; cell < schedule.cells(); ++cell) {
-      const auto c = static_cast<std::size_t>(cell);
-      const auto& order = schedule.order(cell);
+    for (int worker = 0; worker < schedule.workers(); ++worker) {
+      const auto c = static_cast<std::size_t>(worker);
+      const auto& order = schedule.order(worker);
       while (cursor[c] < order.size()) {
         const int id = order[cursor[c]];
-        double ready = cell_free[c];
+        double ready = worker_free[c];
         bool blocked = false;
         for (int dep : tasks[static_cast<std::size_t>(id)].deps) {
           const double done = timeline.end[static_cast<std::size_t>(dep)];
@@ -43,7 +43,7 @@ SimulatedTimeline simulate(const Schedule& schedule, const std::vector<double>& 
         if (blocked) break;
         timeline.start[static_cast<std::size_t>(id)] = ready;
         timeline.end[static_cast<std::size_t>(id)] = ready + cost[static_cast<std::size_t>(id)];
-        cell_free[c] = timeline.end[static_cast<std::size_t>(id)];
+        worker_free[c] = timeline.end[static_cast<std::size_t>(id)];
         ++cursor[c];
         ++placed;
       }
@@ -52,7 +52,7 @@ SimulatedTimeline simulate(const Schedule& schedule, const std::vector<double>& 
   timeline.makespan = tasks.empty() ? 0.0 : *std::max_element(timeline.end.begin(), timeline.end.end());
   const double busy = std::accumulate(cost.begin(), cost.end(), 0.0);
   timeline.bubble =
-      timeline.makespan > 0.0 ? 1.0 - busy / (schedule.cells() * timeline.makespan) : 0.0;
+      timeline.makespan > 0.0 ? 1.0 - busy / (schedule.workers() * timeline.makespan) : 0.0;
   return timeline;
 }
 

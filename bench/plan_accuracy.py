@@ -1,0 +1,132 @@
+"""Predicted against measured step time: gf.plan(cost="time") for each schedule vs train_step.
+
+For each workload (the three of issue 10: MLPs of Linear+ReLU layers on 2 CPU cells) and each
+schedule ("gpipe", "1f1b", "zero_bubble" on 2 cells; "interleaved" on 4 cells over 2
+workers), the plan's predicted step time is set against the median measured time of
+`pipe.train_step(x, x, loss)` with the same balance (loss: the output's sum, so the loss task
+costs next to nothing). The pipes of one workload run interleaved, round by round, in one
+process; plans are made before the rounds, one at a time.
+
+    python bench/plan_accuracy.py [--rounds 15] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reporting import markdown_table
+
+SCHEDULES = (("gpipe", 2, 2), ("1f1b", 2, 2), ("zero_bubble", 2, 2), ("interleaved", 4, 2))
+
+
+@dataclass(frozen=True)
+class Workload:
+    layers: int
+    width: int
+    batch: int
+    chunks: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.layers} x Linear({self.width}), batch {self.batch}, M={self.chunks}"
+
+    def model(self) -> nn.Sequential:
+        torch.manual_seed(0)
+        modules: list[nn.Module] = []
+        for _ in range(self.layers):
+            modules += [nn.Linear(self.width, self.width), nn.ReLU()]
+        return nn.Sequential(*modules)
+
+
+WORKLOADS = (Workload(8, 1024, 256, 8), Workload(12, 512, 128, 4), Workload(8, 256, 128, 8))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
+def measure(workload: Workload, rounds: int) -> list[dict[str, object]]:
+    model = workload.model()
+    x = torch.randn(workload.batch, workload.width)
+    rows = []
+    pipes = {}
+    for schedule, cells, workers in SCHEDULES:
+        plan = gf.plan(model, x, cells, workload.chunks, schedule=schedule, devices=workers)
+        pipe = gf.GPipe(model, plan.balance, devices=["cpu"] * workers, chunks=workload.chunks,
+                        checkpoint="never", schedule=schedule)  # fmt: skip
+        pipes[schedule] = (pipe, plan)
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    for round_ in range(rounds + 2):  # two rounds of warm-up
+        order = list(pipes)
+        order = order[round_ % len(order) :] + order[: round_ % len(order)]
+        for name in order:
+            pipe = pipes[name][0]
+            start = time.perf_counter()
+            pipe.train_step(x, x, _loss)
+            elapsed = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            if round_ >= 2:
+                times[name].append(elapsed)
+    for name, (pipe, plan) in pipes.items():
+        measured = statistics.median(times[name])
+        rows.append(
+            {
+                "workload": workload.name,
+                "schedule": name,
+                "balance": plan.balance,
+                "threads": plan.threads,
+                "overhead_us": plan.overhead * 1e6,
+                "predicted_ms": plan.step_time * 1e3,
+                "measured_ms": measured * 1e3,
+                "ratio": plan.step_time / measured,
+            }
+        )
+        pipe.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = [row for workload in WORKLOADS for row in measure(workload, args.rounds)]
+    header = [
+        "workload",
+        "schedule",
+        "predicted ms",
+        "measured ms (median)",
+        "predicted / measured",
+    ]
+    table = [
+        [
+            r["workload"],
+            r["schedule"],
+            f"{r['predicted_ms']:.1f}",
+            f"{r['measured_ms']:.1f}",
+            f"{r['ratio']:.2f}",
+        ]
+        for r in rows
+    ]
+    print(markdown_table(header, table))
+    print(f"per-task overhead measured by plan(): {rows[0]['overhead_us']:.0f} us")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Micro-batches in flight per stage and the predicted bubble, for every schedule.
+
+Each stage ends in a counting layer: its forward adds one to a counter and its backward takes
+one away, so the counter's peak is how many micro-batches' activations the stage held at
+once (checkpoint "never"). One train_step per schedule, K = 4 stages (interleaved: 8 stages,
+V = 2 on 4 workers), M = 8 micro-batches. Beside it, the simulator's bubble for the schedule
+with equal stages, a backward twice a forward (zero bubble: halves of one forward each).
+
+    python bench/schedule_memory.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast import _C
+from gpipe_fast.predict import StageCosts, predict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reporting import markdown_table
+
+WORKERS, CHUNKS = 4, 8
+
+
+class _Count(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, counter: Counter) -> torch.Tensor:  # type: ignore[override]
+        ctx.counter = counter
+        counter.add(1)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.counter.add(-1)
+        return grad, None
+
+
+class Counter(nn.Module):
+    """Counts forwards not yet backwarded; keeps the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.now = self.peak = 0
+
+    def add(self, delta: int) -> None:
+        with self.lock:
+            self.now += delta
+            self.peak = max(self.peak, self.now)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Count.apply(x, self)  # type: ignore[no-any-return]
+
+
+def peaks(schedule: str, stages: int) -> list[int]:
+    counters = [Counter() for _ in range(stages)]
+    layers: list[nn.Module] = []
+    for counter in counters:
+        layers += [nn.Linear(16, 16), counter]
+    pipe = gf.GPipe(nn.Sequential(*layers), [2] * stages, devices=["cpu"] * WORKERS,
+                    chunks=CHUNKS, checkpoint="never", schedule=schedule)  # fmt: skip
+    try:
+        x = torch.randn(4 * CHUNKS, 16)
+        pipe.train_step(x, x, nn.functional.mse_loss)
+    finally:
+        pipe.close()
+    return [c.peak for c in counters]
+
+
+def predicted_bubble(schedule: str, stages: int) -> float:
+    steps = _C.make_schedule(schedule, stages, WORKERS, CHUNKS, "never")
+    share = WORKERS / stages  # interleaving cuts each stage's work by V
+    costs = [StageCosts(share, 2 * share, share, share)] * stages
+    return predict(steps, costs).bubble
+
+
+def main() -> int:
+    rows = []
+    for schedule in ("gpipe", "1f1b", "zero_bubble", "interleaved"):
+        stages = 2 * WORKERS if schedule == "interleaved" else WORKERS
+        rows.append(
+            [
+                schedule,
+                f"{stages} on {WORKERS}",
+                " ".join(map(str, peaks(schedule, stages))),
+                f"{predicted_bubble(schedule, stages):.1%}",
+            ]
+        )
+    header = ["schedule", "stages on workers", "peak in flight per stage", "predicted bubble"]
+    print(f"K = {WORKERS} workers, M = {CHUNKS} micro-batches")
+    print(markdown_table(header, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+// The open set of actions a task performs, each with the rule naming what must finish first.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gpipe_fast {
+
+using ActionId = int;
+
+// The built-in actions. Their ids are fixed so generators can name them; more can be
+// registered at run time (register_action), and the runtime treats every id alike.
+namespace action {
+inline constexpr ActionId Forward = 0;
+inline constexpr ActionId Recompute = 1;
+inline constexpr ActionId Backward = 2;
+inline constexpr ActionId BackwardInput = 3;   // gradient of the stage's input only
+inline constexpr ActionId BackwardWeight = 4;  // gradient of the stage's weights only
+inline constexpr ActionId Loss = 5;            // the loss of one micro-batch, last stage only
+inline constexpr ActionId SendForward = 6;     // an activation to the next stage's process
+inline constexpr ActionId RecvForward = 7;     // an activation from the previous stage's process
+inline constexpr ActionId SendBackward = 8;    // a gradient to the previous stage's process
+inline constexpr ActionId RecvBackward = 9;    // a gradient from the next stage's process
+inline constexpr ActionId ReduceGrad = 10;     // a stage's gradients averaged over data parallelism
+}  // namespace action
+
+// One task's identity: what it does, to which stage, on which micro-batch.
+struct TaskKey {
+  ActionId action = action::Forward;
+  int stage = 0;
+  int microbatch = 0;
+  bool operator==(const TaskKey& other) const {
+    return action == other.action && stage == other.stage && microbatch == other.microbatch;
+  }
+};
+
+// One prerequisite of a task: the first of `any_of` that the schedule holds. When none is
+// there, a required need makes the schedule invalid unless its action is given (done before
+// the run, as the forwards are for a backward-only run); an optional one is dropped.
+struct Need {
+  std::vector<TaskKey> any_of;
+  bool required = true;
+};
+
+// What `task` needs in a schedule of `stages` stages and `microbatches` micro-batches: the
+// rule of its action.
+using NeedsRule = std::vector<Need> (*)(const TaskKey& task, int stages, int microbatches);
+
+struct ActionInfo {
+  std::string name;  // snake_case; Python dispatches on it (Stage.<name>)
+  NeedsRule needs;
+  // Communication (send, recv, reduce) runs on a process's communication worker, not on
+  // its stage's compute worker, so that it overlaps with compute.
+  bool communication = false;
+};
+
+// Adds an action and returns its id; InvalidArgument if the name is taken or empty.
+ActionId register_action(const std::string& name, NeedsRule needs, bool communication = false);
+const ActionInfo& action_info(ActionId id);  // InvalidArgument for an unknown id
+std::optional<ActionId> find_action(const std::string& name);
+int action_count();
+
+// "forward(stage 1, micro-batch 3)".
+std::string describe(const TaskKey& task);
+
+}  // namespace gpipe_fast

@@ -1,0 +1,125 @@
+// Lowering a program onto ranks: communication workers, their sends, receives and reductions.
+#include "gpipe_fast/lower.hpp"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "gpipe_fast/error.hpp"
+
+namespace gpipe_fast {
+namespace {
+
+using namespace action;
+
+// The order key of a communication task: when its data is ready, then which transfer it
+// is. A send and its receive get the same key on their two ranks.
+using CommKey = std::tuple<double, int, int, int>;  // (time, flow, boundary, micro-batch)
+
+double unit_cost(ActionId action) {
+  switch (action) {
+    case Backward: return 2.0;
+    case Loss: return 0.0;
+    default: return 1.0;  // forward, recompute, either half of a backward
+  }
+}
+
+}  // namespace
+
+Lowered lower(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
+              std::vector<int> worker_rank, bool reduce_grad) {
+  const Schedule plain = link(program, stages, microbatches, stage_worker);
+  plain.validate();
+  const int compute = plain.workers();
+  if (worker_rank.empty()) worker_rank.assign(static_cast<std::size_t>(compute), 0);
+  GF_EXPECTS(worker_rank.size() == static_cast<std::size_t>(compute),
+             "worker_rank needs one rank per compute worker: got " +
+                 std::to_string(worker_rank.size()) + " for " + std::to_string(compute));
+  int ranks = 0;
+  for (int rank : worker_rank) {
+    GF_EXPECTS(rank >= 0, "worker_rank entries must be >= 0, got " + std::to_string(rank));
+    ranks = std::max(ranks, rank + 1);
+  }
+  auto rank_of_stage = [&](int s) {
+    return worker_rank[static_cast<std::size_t>(plain.worker_of(s))];
+  };
+
+  std::vector<double> cost;
+  for (const Task& task : plain.tasks()) cost.push_back(unit_cost(task.action));
+  const SimulatedTimeline timeline = simulate(plain, cost);
+
+  // Each rank's communication tasks with their order keys.
+  std::vector<std::vector<std::pair<CommKey, TaskKey>>> comm(static_cast<std::size_t>(ranks));
+  std::map<int, double> last_gradient;  // stage -> when its last gradient task ends
+  for (std::size_t id = 0; id < plain.tasks().size(); ++id) {
+    const Task& task = plain.tasks()[id];
+    const double at = timeline.end[id];
+    const int s = task.stage;
+    const int m = task.microbatch;
+    const int here = rank_of_stage(s);
+    if (task.action == Forward && s + 1 < stages && rank_of_stage(s + 1) != here) {
+      const CommKey key{at, 0, s, m};
+      comm[static_cast<std::size_t>(here)].push_back({key, {SendForward, s, m}});
+      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({key, {RecvForward, s + 1, m}});
+    }
+    const bool gradient = task.action == Backward || task.action == BackwardInput;
+    if (gradient && s > 0 && rank_of_stage(s - 1) != here) {
+      const CommKey key{at, 1, s - 1, m};
+      comm[static_cast<std::size_t>(here)].push_back({key, {SendBackward, s, m}});
+      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({key, {RecvBackward, s - 1, m}});
+    }
+    if (gradient || task.action == BackwardWeight) {
+      double& last = last_gradient[s];
+      last = std::max(last, at);
+    }
+  }
+  if (reduce_grad) {
+    for (const auto& [s, at] : last_gradient) {
+      comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, 2, s, 0}, {ReduceGrad, s, 0}});
+    }
+  }
+
+  Lowered lowered;
+  lowered.program = program;
+  lowered.compute_workers = compute;
+  lowered.stage_worker = plain.stage_workers();
+  lowered.worker_rank = worker_rank;
+  for (int rank = 0; rank < ranks; ++rank) {
+    auto& tasks = comm[static_cast<std::size_t>(rank)];
+    std::stable_sort(tasks.begin(), tasks.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    auto& order = lowered.program.emplace_back();
+    for (const auto& [key, task] : tasks) order.push_back(task);
+    lowered.worker_rank.push_back(rank);
+  }
+  return lowered;
+}
+
+Schedule link_all(const Lowered& lowered, int stages, int microbatches) {
+  return link(lowered.program, stages, microbatches, lowered.stage_worker);
+}
+
+Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int rank) {
+  GF_EXPECTS(rank >= 0, "rank must be >= 0, got " + std::to_string(rank));
+  // Local numbering: the rank's compute workers in order, then its communication worker.
+  std::vector<int> local(lowered.program.size(), -1);
+  Program program;
+  for (std::size_t w = 0; w < lowered.program.size(); ++w) {
+    const bool communication = static_cast<int>(w) >= lowered.compute_workers;
+    if (lowered.worker_rank[w] != rank || communication) continue;
+    local[w] = static_cast<int>(program.size());
+    program.push_back(lowered.program[w]);
+  }
+  GF_EXPECTS(!program.empty(), "rank " + std::to_string(rank) + " has no stage");
+  for (std::size_t w = static_cast<std::size_t>(lowered.compute_workers); w < lowered.program.size(); ++w) {
+    if (lowered.worker_rank[w] == rank) {
+      local[w] = static_cast<int>(program.size());
+      program.push_back(lowered.program[w]);
+    }
+  }
+  std::vector<int> stage_worker;
+  for (int s = 0; s < stages; ++s) stage_worker.push_back(local[static_cast<std::size_t>(lowered.stage_worker[static_cast<std::size_t>(s)])]);
+  return link(program, stages, microbatches, std::move(stage_worker));
+}
+
+}  // namespace gpipe_fast

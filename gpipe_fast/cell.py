@@ -1,0 +1,170 @@
+"""One stage's lasting runtime: its layers, device and stream, and how it runs a micro-batch."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_fast.batchnorm import frozen_running_stats, plain_batch_norms
+from gpipe_fast.checkpoint import pass_flags
+from gpipe_fast.microbatch import Value, as_tensors, like
+from gpipe_fast.randomness import TaskRandomness, may_draw_random, task_seed
+from gpipe_fast.streams import CellStreams
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The caller's autocast settings, replayed on the worker threads."""
+
+    settings: tuple[tuple[str, bool, torch.dtype], ...]
+
+    @property
+    def enabled(self) -> bool:
+        return any(on for _, on, _ in self.settings)
+
+    @classmethod
+    def capture(cls) -> AutocastState:
+        return cls(
+            tuple(
+                (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for kind in ("cpu", "cuda")
+            )
+        )
+
+    def enter(self, stack: ExitStack) -> None:
+        for kind, enabled, dtype in self.settings:
+            if enabled:
+                stack.enter_context(torch.autocast(kind, dtype=dtype))
+
+
+def _global_hooks() -> bool:
+    """Whether any module hook was registered for every module (nn.modules.module's
+    register_module_forward_hook and the like)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        torch_module._global_forward_hooks
+        or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks
+        or torch_module._global_backward_pre_hooks
+    )
+
+
+# A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs.
+Boundary = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+
+
+class Cell:
+    """What lasts of stage `index` between steps: the module, its device and stream, the
+    worker settings, and which passes draw random numbers."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Sequential,
+        device: torch.device,
+        streams: CellStreams,
+        threads: int | None,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.device = device
+        self.streams = streams
+        self.threads = threads
+        self.batch_norms = plain_batch_norms(module)
+        self.stream = streams.streams[index]  # None on a CPU cell
+        self.prepared = False
+        # training mode -> whether the cell drew random numbers; absent means unknown.
+        self.random: dict[bool, bool] = {}
+        if not may_draw_random(module):
+            self.random = {True: False, False: False}
+
+    @property
+    def learns(self) -> bool:
+        return any(p.requires_grad for p in self.module.parameters())
+
+    def may_draw_random(self) -> bool:
+        return self.random.get(self.module.training, True)
+
+    def prepare_worker(self) -> None:
+        """Per-worker settings, made once on the worker's own thread."""
+        if self.prepared:
+            return
+        self.prepared = True
+        if self.device.type == "cpu" and self.threads is not None:
+            torch.set_num_threads(self.threads)
+
+    def run(
+        self,
+        value: Value,
+        *,
+        seed: int,
+        microbatch: int,
+        autocast: AutocastState,
+        grad: bool,
+        checkpointing: bool = False,
+        recomputing: bool = False,
+        boundaries: list[Boundary] | None = None,
+    ) -> Value:
+        """The cell on one micro-batch under what its forward needs: its worker's settings,
+        its stream, the caller's autocast, the pass flags, the task's own random generators
+        and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
+        by one with the graph cut between them, each layer's (input leaves, outputs) appended
+        there, so that input and weight gradients can be computed apart (zero bubble). The
+        common CPU case skips every part it does not need: this runs on every task."""
+        if not self.prepared:
+            self.prepare_worker()
+        training = self.module.training
+        random = self.random.get(training, True)
+        batch_norms = self.batch_norms if recomputing else []
+        flags = pass_flags(checkpointing=checkpointing, recomputing=recomputing)
+        if not (random or batch_norms or autocast.enabled or self.stream is not None):
+            # The common CPU case, on every task: the flags and grad mode without contexts.
+            previous = torch.is_grad_enabled()
+            if previous != grad:
+                torch._C._set_grad_enabled(grad)
+            try:
+                with flags:
+                    return self._forward(value, boundaries)
+            finally:
+                if previous != grad:
+                    torch._C._set_grad_enabled(previous)
+        with ExitStack() as stack:
+            stack.enter_context(self.streams.on(self.index))
+            autocast.enter(stack)
+            stack.enter_context(flags)
+            stack.enter_context(frozen_running_stats(batch_norms))
+            stack.enter_context(torch.set_grad_enabled(grad))
+            randomness = None
+            if random:
+                randomness = stack.enter_context(
+                    TaskRandomness(task_seed(seed, self.index, microbatch))
+                )
+            output = self._forward(value, boundaries)
+        if randomness is not None:
+            self.random[training] = randomness.used
+        return output
+
+    def _forward(self, value: Value, boundaries: list[Boundary] | None) -> Value:
+        module = self.module
+        if boundaries is None:
+            if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
+                return module(value)  # type: ignore[no-any-return]
+            # No hook on the cell itself (its layers' hooks run as ever): skip __call__'s
+            # frames, a few microseconds on every task.
+            return module.forward(value)  # type: ignore[no-any-return]
+        for layer in self.module:
+            inputs = as_tensors(value, "a layer's input")
+            output = layer(value)
+            outputs = as_tensors(output, f"the output of layer {type(layer).__name__}")
+            boundaries.append((inputs, outputs))
+            # The next layer starts a graph of its own: a fresh leaf per output.
+            value = like([t.detach().requires_grad_(t.requires_grad) for t in outputs], output)
+        return value
+
+    def layer_parameters(self) -> list[list[Tensor]]:
+        """Per layer, its parameters that learn (in module order)."""
+        return [[p for p in layer.parameters() if p.requires_grad] for layer in self.module]

@@ -1,0 +1,105 @@
+"""Predicts a training step's time and bubble per schedule: the native simulator over
+per-micro-batch task costs, plus the runtime's own cost per task, measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpipe_fast import _C
+from gpipe_fast.schedules import ACTIONS
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Seconds (or any unit) of one micro-batch's tasks on one stage."""
+
+    forward: float
+    backward: float
+    backward_input: float = 0.0  # the zero-bubble halves of `backward`
+    backward_weight: float = 0.0
+    loss: float = 0.0  # the last stage's loss
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time: float  # the simulated makespan
+    forward_time: float  # when the last forward ends
+    bubble: float  # idle share of worker-time
+
+
+def task_costs(schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float) -> list[float]:
+    """Each task's cost: its action's cost on its stage (a recompute costs a forward), plus
+    the runtime's `overhead` per task."""
+    by_action = {
+        "forward": lambda c: c.forward,
+        "recompute": lambda c: c.forward,
+        "backward": lambda c: c.backward,
+        "backward_input": lambda c: c.backward_input,
+        "backward_weight": lambda c: c.backward_weight,
+        "loss": lambda c: c.loss,
+    }
+    out = []
+    for task in schedule.tasks:
+        cost = by_action.get(ACTIONS[task.action], lambda c: 0.0)(costs[task.stage])
+        out.append(cost + overhead)
+    return out
+
+
+def predict(
+    schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float = 0.0
+) -> Prediction:
+    """The schedule simulated with `costs` per stage and `overhead` per task."""
+    if len(costs) != schedule.stages:
+        raise ValueError(f"costs: got {len(costs)} stages' costs for {schedule.stages} stages")
+    timeline = _C.simulate(schedule, task_costs(schedule, costs, overhead))
+    forward = ACTIONS.index("forward")
+    ends = [
+        end
+        for task, end in zip(schedule.tasks, timeline.end, strict=True)
+        if task.action == forward
+    ]
+    return Prediction(timeline.makespan, max(ends, default=0.0), timeline.bubble)
+
+
+def task_overhead(
+    stages: int, workers: int, chunks: int, schedule: str, *, steps: int = 30
+) -> float:
+    """The runtime's seconds per task, measured: a train_step through `stages` cells that do
+    nothing (nn.Identity) on CPU, its median time divided by the makespan its schedule would
+    have with one unit per task. Covers what every task pays whatever the layers: the
+    executor's hand-offs, the Python task body, the autograd engine's entry."""
+    from gpipe_fast.gpipe import GPipe  # a pipe depends on this module's package
+
+    devices = ["cpu"] * workers
+    pipe = GPipe(
+        nn.Sequential(*[nn.Identity() for _ in range(stages)]),
+        [1] * stages,
+        devices=devices,
+        chunks=chunks,
+        checkpoint="never",
+        schedule=schedule,
+    )
+    try:
+        x = torch.randn(chunks, 4, requires_grad=True)
+
+        def step() -> None:
+            pipe.train_step(x, x, lambda out, target: out.sum())
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        unit = _C.make_schedule(schedule, stages, workers, chunks, "never")
+        makespan = _C.simulate(unit, [1.0] * len(unit.tasks)).makespan
+        return statistics.median(times) / makespan
+    finally:
+        pipe.close()

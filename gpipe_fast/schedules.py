@@ -1,0 +1,79 @@
+"""Training-step schedules by name: the native generators, built and validated once per layout."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpipe_fast import _C
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+# Every action's name, indexed by its id: a task's action picks its stage's method by name.
+ACTIONS: tuple[str, ...] = tuple(_C.actions())
+RECOMPUTE = ACTIONS.index("recompute")
+
+
+def check_schedule(schedule: object) -> str:
+    if isinstance(schedule, str) and schedule in SCHEDULES:
+        return str(schedule)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def recomputed(schedule: Any) -> list[list[bool]]:
+    """Which (stage, micro-batch) the schedule recomputes: flags[stage][micro-batch]."""
+    flags = [[False] * schedule.microbatches for _ in range(schedule.stages)]
+    for task in schedule.tasks:
+        if task.action == RECOMPUTE:
+            flags[task.stage][task.microbatch] = True
+    return flags
+
+
+class ScheduleCache:
+    """The schedules of one pipe (its stages and their workers), each built and validated
+    once per (kind, micro-batches, checkpoint) and kept while recently used."""
+
+    def __init__(self, stage_workers: Sequence[int], kind: str, capacity: int = 64) -> None:
+        self.stage_workers = list(stage_workers)
+        self.stages = len(self.stage_workers)
+        self.workers = max(self.stage_workers) + 1
+        self.kind = kind
+        self.capacity = capacity
+        self._built: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+
+    def _get(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        found = self._built.get(key)
+        if found is None:
+            found = self._built[key] = build()
+            if len(self._built) > self.capacity:
+                self._built.popitem(last=False)
+        else:
+            self._built.move_to_end(key)
+        return found
+
+    def train_step(self, microbatches: int, checkpoint: str) -> tuple[Any, list[list[bool]]]:
+        """The training-step schedule and its recompute flags."""
+
+        def build() -> tuple[Any, list[list[bool]]]:
+            schedule = _C.make_schedule(
+                self.kind, self.stages, self.workers, microbatches, checkpoint
+            )
+            return schedule, recomputed(schedule)
+
+        return self._get(("step", microbatches, checkpoint), build)  # type: ignore[no-any-return]
+
+    def forward(self, microbatches: int) -> Any:
+        """The fill-drain forward run of pipe(x)."""
+        return self._get(
+            ("forward", microbatches),
+            lambda: _C.gpipe_forward(self.stages, microbatches, self.stage_workers),
+        )
+
+    def backward(self, recompute: tuple[bool, ...]) -> Any:
+        """The fill-drain backward run of loss.backward(), recomputing where flagged."""
+        return self._get(
+            ("backward", recompute),
+            lambda: _C.gpipe_backward(
+                self.stages, len(recompute), list(recompute), self.stage_workers
+            ),
+        )

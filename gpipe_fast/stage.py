@@ -1,0 +1,233 @@
+"""One stage of one step: its buffers and a method per action (forward, loss, backward, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.cell import Boundary, Cell
+from gpipe_fast.microbatch import Value, as_tensors, like
+from gpipe_fast.transport import ACTIVATION, GRADIENT
+
+if TYPE_CHECKING:
+    from gpipe_fast.step import StepContext
+
+
+def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """torch.autograd.backward straight into the engine: the public call checks its
+    arguments (~20 us a call: a symbolic shape comparison per root) and the private wrapper
+    adds a few more; here roots and gradients come from the pipe itself and match by
+    construction. Falls back to the public call if torch moves the entry point."""
+    _run_engine(tuple(roots), tuple(grads), False, False, (), True, True)
+
+
+def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    torch.autograd.backward(list(roots), list(grads))
+
+
+def _engine_grad(
+    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
+) -> tuple[Tensor | None, ...]:
+    """torch.autograd.grad(allow_unused=True) straight into the engine, as above."""
+    return _run_engine(tuple(roots), tuple(grads), retain, False, tuple(inputs), True, False)  # type: ignore[no-any-return]
+
+
+def _public_grad(
+    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
+) -> tuple[Tensor | None, ...]:
+    return torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
+
+
+try:
+    _run_engine = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - a torch without the engine handle
+    run_backward, run_grad = _public_backward, _public_grad
+else:
+    run_backward, run_grad = _engine_backward, _engine_grad
+
+
+def _aligned(
+    tensors: Sequence[Tensor], wanted: Sequence[Tensor], got: Sequence[Any]
+) -> tuple[Any, ...]:
+    """Per tensor of `tensors`, its gradient from `got` (computed for `wanted`, the tensors
+    among them that require a gradient), or None."""
+    by_id = {id(t): g for t, g in zip(wanted, got, strict=True)}
+    return tuple(by_id.get(id(t)) for t in tensors)
+
+
+class Stage:
+    """Stage `cell.index` of one step (whose shared state is `step`). The executor calls one
+    method per task, named as the task's action; each reads what it needs from the step's
+    transport or its own buffers and leaves what the next action needs there."""
+
+    def __init__(self, cell: Cell, step: StepContext, last: bool) -> None:
+        self.cell = cell
+        self.step = step
+        self.index = cell.index
+        self.last = last
+        count = step.count
+        self.inputs: list[Value | None] = [None] * count  # stashed for recompute and backward
+        self.outputs: list[Value | None] = [None] * count  # with their graphs, until backward
+        self.boundaries: list[list[Boundary] | None] = [None] * count  # split backward only
+        # Split backward: per micro-batch, the (outputs, gradients) of each learning layer,
+        # left by backward_input for backward_weight.
+        self.weight_roots: list[list[tuple[list[Tensor], list[Tensor]]] | None] = [None] * count
+        # Set while receiving, so that an error there is named as the boundary copy.
+        self.copying = False
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def forward(self, m: int) -> None:
+        step, k = self.step, self.index
+        self.copying = True
+        received = step.transport.recv(ACTIVATION, k, m)
+        self.copying = False
+        tensors = as_tensors(received, "input" if k == 0 else f"output of stage {k - 1}")
+        value = tensors[0] if isinstance(received, Tensor) else tensors
+        for tensor, needs in zip(tensors, step.input_grad_flags(k, tensors), strict=True):
+            tensor.requires_grad_(needs)
+        checkpointing = step.track and step.checkpointed[k][m]
+        keep_graph = step.track and not checkpointing
+        boundaries: list[Boundary] | None = [] if step.split and keep_graph else None
+        output = self._run(
+            value, m, grad=keep_graph, checkpointing=checkpointing, boundaries=boundaries
+        )
+        as_tensors(output, f"the output of stage {k}")
+        if step.track:
+            self.inputs[m] = value
+        if boundaries is not None:
+            self.boundaries[m] = boundaries
+        if self.last or (keep_graph and boundaries is None):
+            self.outputs[m] = output
+        if not self.last:
+            step.transport.send(ACTIVATION, k, m, output)
+
+    def recompute(self, m: int) -> None:
+        boundaries: list[Boundary] | None = [] if self.step.split else None
+        memory = self.step.pipeline.recompute_memory
+        with nullcontext() if memory is None else memory.use(self.index):
+            output = self._run(
+                self.inputs[m], m, grad=True, recomputing=True, boundaries=boundaries
+            )
+        if boundaries is not None:
+            self.boundaries[m] = boundaries
+        else:
+            self.outputs[m] = output
+
+    def loss(self, m: int) -> None:
+        """The micro-batch's loss, weighted by its share of the batch, and its gradient with
+        respect to the stage's output, handed to this stage's backward."""
+        step = self.step
+        output = self.outputs[m]
+        assert output is not None and step.loss_fn is not None, "loss runs after a forward"
+        tensors = as_tensors(output, f"the output of stage {self.index}")
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+        if not self.step.track or self.step.checkpointed[self.index][m]:
+            self.outputs[m] = None  # no graph: the recompute rebuilds it
+        target = step.target(self.index, m)
+        with ExitStack() as stack:
+            if self.cell.stream is not None:
+                stack.enter_context(self.cell.streams.on(self.index))
+            if step.autocast.enabled:
+                step.autocast.enter(stack)
+            if not torch.is_grad_enabled():
+                stack.enter_context(torch.enable_grad())
+            value = step.loss_fn(like(leaves, output), target)
+            if not isinstance(value, Tensor) or value.dim() != 0:
+                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise TypeError(
+                    f"loss_fn must return a scalar (0-dim) tensor, the loss of its micro-batch; "
+                    f"got {shape}"
+                )
+            # The weight enters as the loss's incoming gradient: no extra op in the graph.
+            weight = step.loss_weights[m]
+            wanted = [t for t in leaves if t.requires_grad]
+            grads: tuple[Any, ...] = (None,) * len(leaves)
+            if value.requires_grad and wanted:
+                seed = torch.full_like(value, weight)
+                grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
+        step.losses[m] = value.detach() * weight if weight != 1.0 else value.detach()
+        step.transport.deliver(GRADIENT, self.index, m, grads)
+
+    def backward(self, m: int) -> None:
+        grads = self._receive_gradient(m)
+        outputs = as_tensors(self.outputs[m], f"the output of stage {self.index}")
+        roots, root_grads = [], []
+        for output, grad in zip(outputs, grads, strict=True):
+            if output.requires_grad and grad is not None:
+                roots.append(output)
+                root_grads.append(grad)
+        if roots:
+            if self.cell.stream is None and torch.is_grad_enabled():
+                run_backward(roots, root_grads)  # the common CPU case: no context to enter
+            else:
+                with self.cell.streams.on(self.index), torch.enable_grad():
+                    run_backward(roots, root_grads)
+        inputs = as_tensors(self.inputs[m], "input")
+        self._pass_back(m, tuple(t.grad if t.requires_grad else None for t in inputs))
+
+    def backward_input(self, m: int) -> None:
+        """The gradient of the stage's input only, layer by layer; each learning layer's
+        output gradient is kept for backward_weight."""
+        grads: tuple[Any, ...] = self._receive_gradient(m)
+        boundaries = self.boundaries[m]
+        assert boundaries is not None, "backward_input needs the split forward's boundaries"
+        self.boundaries[m] = None
+        learning = self.cell.layer_parameters()
+        weight_roots = []
+        with self.cell.streams.on(self.index), torch.enable_grad():
+            for i in reversed(range(len(boundaries))):
+                inputs, outputs = boundaries[i]
+                pairs = [
+                    (o, g)
+                    for o, g in zip(outputs, grads, strict=True)
+                    if g is not None and o.requires_grad
+                ]
+                roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
+                if roots and learning[i]:
+                    weight_roots.append((roots, root_grads))
+                wanted = [t for t in inputs if t.requires_grad]
+                if roots and wanted:
+                    got = run_grad(roots, root_grads, wanted, bool(learning[i]))
+                    grads = _aligned(inputs, wanted, got)
+                else:
+                    grads = (None,) * len(inputs)
+        self.weight_roots[m] = weight_roots
+        self._pass_back(m, grads)
+
+    def backward_weight(self, m: int) -> None:
+        """The weights' gradients of the micro-batch, from what backward_input kept."""
+        pending = self.weight_roots[m]
+        self.weight_roots[m] = None
+        if not pending:
+            return
+        roots = [root for roots, _ in pending for root in roots]
+        grads = [grad for _, grads in pending for grad in grads]
+        params = {id(p): p for layer in self.cell.layer_parameters() for p in layer}
+        with self.cell.streams.on(self.index), torch.enable_grad():
+            torch.autograd.backward(roots, grads, inputs=list(params.values()))
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _run(self, value: Any, m: int, **kwargs: Any) -> Value:
+        step = self.step
+        return self.cell.run(value, seed=step.seed, microbatch=m, autocast=step.autocast, **kwargs)
+
+    def _receive_gradient(self, m: int) -> tuple[Any, ...]:
+        self.copying = True
+        grads = self.step.transport.recv(GRADIENT, self.index, m)
+        self.copying = False
+        return tuple(grads) if isinstance(grads, tuple) else (grads,)
+
+    def _pass_back(self, m: int, grads: tuple[Any, ...]) -> None:
+        """Hands the input's gradient to the stage before, or to the step (stage 0); the
+        micro-batch's buffers go."""
+        if self.index > 0:
+            self.step.transport.send(GRADIENT, self.index, m, grads)
+        else:
+            self.step.input_grads[m] = grads
+        self.inputs[m] = self.outputs[m] = None

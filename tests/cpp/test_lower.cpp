@@ -1,0 +1,135 @@
+// Lowering onto ranks: communication workers, their order, and no deadlock across processes.
+#include <map>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "check.hpp"
+#include "gpipe_fast/error.hpp"
+#include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/lower.hpp"
+
+using gpipe_fast::Checkpoint;
+using gpipe_fast::Lowered;
+using gpipe_fast::Program;
+using gpipe_fast::Schedule;
+using gpipe_fast::TaskKey;
+namespace action = gpipe_fast::action;
+
+namespace {
+
+std::string letters(gpipe_fast::ActionId id) {
+  switch (id) {
+    case action::Forward: return "F";
+    case action::Recompute: return "R";
+    case action::Backward: return "B";
+    case action::BackwardInput: return "I";
+    case action::BackwardWeight: return "W";
+    case action::Loss: return "L";
+    case action::SendForward: return "sF";
+    case action::RecvForward: return "rF";
+    case action::SendBackward: return "sB";
+    case action::RecvBackward: return "rB";
+    case action::ReduceGrad: return "AR";
+    default: return "?";
+  }
+}
+
+std::string show(const std::vector<TaskKey>& order) {
+  std::string out;
+  for (const TaskKey& k : order) {
+    if (!out.empty()) out += " ";
+    out += letters(k.action) + std::to_string(k.stage) + "." + std::to_string(k.microbatch);
+  }
+  return out;
+}
+
+std::vector<int> ranks_of(int workers, int ranks) {
+  std::vector<int> out;
+  for (int w = 0; w < workers; ++w) out.push_back(w % ranks);
+  return out;
+}
+
+}  // namespace
+
+TEST(lower_1f1b_on_two_ranks) {
+  const Lowered l = gpipe_fast::lower(gpipe_fast::one_f_one_b_program(2, 2), 2, 2, {}, {0, 1});
+  CHECK_EQ(l.compute_workers, 2);
+  CHECK(l.worker_rank == (std::vector<int>{0, 1, 0, 1}));
+  // Rank 0 sends its activations and receives their gradients, in the order data is ready.
+  CHECK_EQ(show(l.program[2]), std::string("sF0.0 sF0.1 rB0.0 rB0.1"));
+  CHECK_EQ(show(l.program[3]), std::string("rF1.0 rF1.1 sB1.0 sB1.1"));
+  const Schedule all = gpipe_fast::link_all(l, 2, 2);
+  all.validate();
+  // Rank 1 alone: its compute worker 0, its communication worker 1; stage 0 elsewhere.
+  const Schedule one = gpipe_fast::link_rank(l, 2, 2, 1);
+  CHECK(one.stage_workers() == (std::vector<int>{-1, 0}));
+  CHECK_EQ(one.workers(), 2);
+  one.validate();
+  for (const auto& task : one.tasks()) CHECK_EQ(task.stage, 1);
+}
+
+TEST(lower_adds_a_gradient_reduction_per_stage_after_its_last_backward) {
+  const Lowered l =
+      gpipe_fast::lower(gpipe_fast::zero_bubble_program(2, 3), 2, 3, {}, {0, 1}, true);
+  CHECK_EQ(show(l.program[2]).substr(show(l.program[2]).size() - 5), std::string("AR0.0"));
+  CHECK_EQ(show(l.program[3]).substr(show(l.program[3]).size() - 5), std::string("AR1.0"));
+  gpipe_fast::link_all(l, 2, 3).validate();
+  // One process (data parallelism only): no sends, one reduction per stage.
+  const Lowered local = gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {}, true);
+  CHECK_EQ(show(local.program[2]), std::string("AR1.0 AR0.0"));
+  gpipe_fast::link_rank(local, 2, 2, 0).validate();
+}
+
+TEST(lower_rejects_bad_ranks) {
+  CHECK_THROWS(gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {0}), gpipe_fast::InvalidArgument);
+  CHECK_THROWS(gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {0, -1}), gpipe_fast::InvalidArgument);
+  const Lowered l = gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {0, 1});
+  CHECK_THROWS(gpipe_fast::link_rank(l, 2, 2, 2), gpipe_fast::InvalidArgument);
+}
+
+TEST(lowered_schedules_never_deadlock_and_pairs_agree_on_order) {
+  std::mt19937 random(1123);
+  const char* kinds[] = {"gpipe", "1f1b", "zero_bubble", "interleaved"};
+  const Checkpoint modes[] = {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always};
+  int checked = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int ranks = 1 + static_cast<int>(random() % 6);
+    const int chunks = 1 + static_cast<int>(random() % 3);
+    const int microbatches = 1 + static_cast<int>(random() % 13);
+    const std::string kind = kinds[random() % 4];
+    const bool interleaved = kind == "interleaved";
+    const int stages = interleaved ? ranks * chunks : ranks;
+    const Program program = gpipe_fast::make_program(kind, stages, ranks, microbatches,
+                                                      modes[random() % 3]);
+    std::vector<int> stage_worker;
+    for (int s = 0; s < stages; ++s) stage_worker.push_back(s % ranks);
+    const Lowered l = gpipe_fast::lower(program, stages, microbatches, stage_worker,
+                                        ranks_of(ranks, ranks), random() % 2 == 0);
+    const Schedule all = gpipe_fast::link_all(l, stages, microbatches);
+    CHECK(gpipe_fast::dry_run(all).empty());
+    all.validate();
+    for (int rank = 0; rank < ranks; ++rank) gpipe_fast::link_rank(l, stages, microbatches, rank).validate();
+    // Between any two ranks, the transfers appear in the same order on both sides.
+    std::map<std::pair<int, int>, std::vector<std::tuple<int, int, int>>> seen;  // (me, peer)
+    for (int rank = 0; rank < ranks; ++rank) {
+      for (const TaskKey& k : l.program[static_cast<std::size_t>(l.compute_workers + rank)]) {
+        int peer = -1;
+        int boundary = -1;
+        int flow = -1;
+        if (k.action == action::SendForward) { peer = (k.stage + 1) % ranks; boundary = k.stage; flow = 0; }
+        if (k.action == action::RecvForward) { peer = (k.stage - 1) % ranks; boundary = k.stage - 1; flow = 0; }
+        if (k.action == action::SendBackward) { peer = (k.stage - 1) % ranks; boundary = k.stage - 1; flow = 1; }
+        if (k.action == action::RecvBackward) { peer = (k.stage + 1) % ranks; boundary = k.stage; flow = 1; }
+        if (peer >= 0) seen[{rank, peer}].push_back({flow, boundary, k.microbatch});
+      }
+    }
+    for (const auto& [pair, transfers] : seen) {
+      const auto mirror = seen[std::make_pair(pair.second, pair.first)];
+      CHECK(transfers == mirror);
+    }
+    ++checked;
+  }
+  CHECK_EQ(checked, 300);
+}
