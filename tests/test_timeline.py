@@ -457,12 +457,12 @@ def test_train_step_is_recorded_for_every_schedule(
         for before, after in itertools.pairwise(mine):
             assert before.end_s <= after.start_s
     assert 0 <= timeline.bubble() < 1
-    path = tmp_path / f"{schedule}.png"
-    pytest.importorskip("matplotlib")
-    timeline.plot(path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = tmp_path / f"{schedule}.json"
     timeline.to_chrome_trace(trace)
     names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert len(names) == len(timeline.spans)
     assert any(name.startswith("L3.") for name in names)  # the loss of cell 3
+    pytest.importorskip("matplotlib")
+    path = tmp_path / f"{schedule}.png"
+    timeline.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
