@@ -129,6 +129,15 @@ def time_cell_alone(
     )
 
 
+def median_costs(runs: Sequence[AloneCosts]) -> AloneCosts:
+    """Each pass's median over several timings of one cell."""
+    return AloneCosts(
+        statistics.median(r.forward for r in runs),
+        statistics.median(r.forward_grad for r in runs),
+        statistics.median(r.backward for r in runs),
+    )
+
+
 def time_cells_alone(pipe: gf.GPipe, batch: Tensor, repeats: int = 5) -> list[AloneCosts]:
     """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input made by
     the cells before it), with the pipe's threads per cell. Leaves the cells' .grad zeroed."""

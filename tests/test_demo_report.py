@@ -153,6 +153,12 @@ def test_intra_op_threads_are_restored() -> None:
         assert torch.get_num_threads() == before
 
 
+def test_median_costs_takes_each_pass_median() -> None:
+    runs = [report.AloneCosts(1.0, 5.0, 9.0), report.AloneCosts(3.0, 4.0, 7.0)]
+    runs.append(report.AloneCosts(2.0, 6.0, 8.0))
+    assert report.median_costs(runs) == report.AloneCosts(2.0, 5.0, 8.0)
+
+
 def test_time_cell_alone_times_each_pass_and_runs_the_backward() -> None:
     cell = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     costs = report.time_cell_alone(cell, torch.randn(4, 8), True, threads=1, repeats=2)
