@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         "alternating blocks of steps, the plain model on all cores (or one GPU); then explain "
         "the throughputs from one step's timeline.",
     )
-    parser.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
+    parser.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     parser.add_argument(
         "--cells",
         type=int,
