@@ -101,9 +101,10 @@ class Guard:
         if message is not None:
             raise PeerFailure(f"gpipe_fast: the step failed on {message}")
 
-    def wait(self, request: Any | Sequence[Any], what: str, peer: int | None = None) -> None:
-        """Waits for torch.distributed requests (`what` names them for the messages)."""
-        requests = list(request) if isinstance(request, (list, tuple)) else [request]
+    def wait(self, request: Any, what: str, peer: int | None = None) -> None:
+        """Waits for a torch.distributed request, or a list of them (`what` names them for
+        the messages)."""
+        requests: list[Any] = list(request) if isinstance(request, (list, tuple)) else [request]
         if all(r.is_completed() for r in requests):
             _wait_all(requests)  # done (NCCL and collectives report it): raise their errors
             return
