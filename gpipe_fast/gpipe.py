@@ -24,6 +24,7 @@ from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.schedules import check_schedule
 from gpipe_fast.step import LossFn
+from gpipe_fast.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
@@ -134,15 +135,25 @@ class GPipe(nn.Module):
 
         named = list(module._modules.items())  # named_children() would drop a repeated layer
         cells, start = [], 0
-        for k, (size, device) in enumerate(zip(self.balance, self.devices, strict=True)):
+        for size in self.balance:
             cell = nn.Sequential(OrderedDict(named[start : start + size]))
             if deferred_batch_norm:
                 cell = cast(nn.Sequential, DeferredBatchNorm.convert(cell))
-            # Another process's cell stays as it is (on the meta device, it never holds memory).
-            cells.append(_materialized(cell, device) if layout.is_local(k) else cell)
+            cells.append(cell)
             start += size
+        _reject_shared_buffers(cells)
+        ties = find_ties(cells)
+        if not layout.multi_process:
+            replicate_across_devices(cells, self.devices, ties)
+        here = [layout.is_local(k) for k in range(len(cells))]
+        # Another process's cell stays as it is (on the meta device, it never holds memory).
+        cells = [
+            _materialized(cell, device) if mine else cell
+            for cell, device, mine in zip(cells, self.devices, here, strict=True)
+        ]
+        retie(cells, ties, here)
+        tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
-        _reject_shared_parameters(local)
         self.partitions = nn.ModuleList(local)
         # Layer name in the original module -> position in partitions, so state_dict keeps
         # the original keys (and, across processes, holds this process's cells only).
@@ -166,6 +177,7 @@ class GPipe(nn.Module):
                 recompute_pool=recompute_pool,
                 layout=layout,
                 timeout_s=timeout,
+                tied=tied,
             )
             if cells
             else None
@@ -529,15 +541,17 @@ def _deny_moving(call: str) -> NoReturn:
     )
 
 
-def _reject_shared_parameters(cells: list[nn.Sequential]) -> None:
+def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
+    """A buffer (a running statistic) shared by cells could not be kept in step: parameters
+    can (gpipe_fast.tied)."""
     owner: dict[int, tuple[int, str]] = {}
     for k, cell in enumerate(cells):
-        for name, tensor in [*cell.named_parameters(), *cell.named_buffers()]:
+        for name, tensor in cell.named_buffers():
             first = owner.setdefault(id(tensor), (k, name))
             if first[0] != k:
                 raise ValueError(
-                    f"balance: parameter {name!r} of cell {k} is shared with {first[1]!r} of cell "
-                    f"{first[0]}; a tensor can live in only one cell (keep the layers sharing it "
+                    f"balance: buffer {name!r} of cell {k} is shared with {first[1]!r} of cell "
+                    f"{first[0]}; a buffer can live in only one cell (keep the layers sharing it "
                     f"in the same cell)"
                 )
 

@@ -39,6 +39,7 @@ from gpipe_fast.recompute_memory import RecomputeMemory
 from gpipe_fast.schedules import ScheduleCache
 from gpipe_fast.step import LossFn, Step
 from gpipe_fast.streams import CellStreams
+from gpipe_fast.tied import TiedGradients
 from gpipe_fast.transport import LocalTransport
 
 REDUCTIONS = ("mean", "sum")
@@ -73,8 +74,10 @@ class Pipeline:
         recompute_pool: bool = False,
         layout: ProcessLayout | None = None,
         timeout_s: float = 300.0,
+        tied: TiedGradients | None = None,
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
+        self.tied = tied
         self.devices = list(devices)
         self.stage_workers = list(stage_workers or range(len(modules)))
         # Across processes this one runs its cells on one compute worker (stage s of the
@@ -217,6 +220,8 @@ class Pipeline:
         step = Step(self, microbatches, input_needs_grad, [flags] * len(self.cells), track)
         if track:
             self.live_steps.add(step)
+        if self.tied:
+            self.tied.before_step()
         outputs = self._committed(step.forward)
         if not track:
             return gather(outputs)
@@ -256,9 +261,17 @@ class Pipeline:
             microbatches, [t.requires_grad for t in given], len(microbatches), checkpoint,
             training, loss_fn, targets, _loss_weights(batch, batch, chunks, reduction),
         )  # fmt: skip
+        if self.tied:
+            self.tied.before_step()
         loss = self._committed(lambda: step.train(schedule))
+        self.after_backward()
         _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
         return loss  # type: ignore[no-any-return]
+
+    def after_backward(self) -> None:
+        """What a step's backward leaves to do once every cell's is done: tied gradients."""
+        if self.tied:
+            self.tied.after_backward()
 
     def _training_step(
         self,
@@ -317,10 +330,14 @@ class Pipeline:
             loss_fn, targets, _loss_weights(batch, total, chunks, reduction),
         )  # fmt: skip
         try:
+            if self.tied:
+                self.tied.before_step()
             local = self._committed(lambda: step.train(schedule))
             transport = step.context.transport
             if isinstance(transport, DistTransport):
                 transport.finish()
+            if self.tied:
+                self.tied.after_backward(groups.guard, groups.device)
             loss = groups.loss(local)
         except BaseException as error:
             self.task_failed(error)

@@ -213,6 +213,7 @@ class Step:
         pipeline.streams.cells_wait_caller()
         pipeline.execute(schedule, self, "backward")
         pipeline.streams.join_caller(pipeline.devices[0])
+        pipeline.after_backward()
         return self.context.input_grads
 
     def train(self, schedule: Any) -> Tensor:

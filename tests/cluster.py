@@ -37,10 +37,9 @@ class Reply:
 def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import dist_cases
     import torch
     import torch.distributed as dist
-
-    import dist_cases
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -89,7 +88,13 @@ class Cluster:
             self.processes = [
                 context.Process(
                     target=_serve,
-                    args=(r, world, os.path.join(self.folder, "store0"), self.requests[r], self.replies),
+                    args=(
+                        r,
+                        world,
+                        os.path.join(self.folder, "store0"),
+                        self.requests[r],
+                        self.replies,
+                    ),
                     daemon=True,
                 )
                 for r in range(world)
@@ -154,7 +159,9 @@ class Cluster:
 
 def raise_reply(reply: Reply) -> None:
     """Fails the test with a worker's own traceback."""
-    raise AssertionError(f"rank {reply.rank} raised {reply.error_type}: {reply.error}\n{reply.traceback}")
+    raise AssertionError(
+        f"rank {reply.rank} raised {reply.error_type}: {reply.error}\n{reply.traceback}"
+    )
 
 
 def values(replies: list[Reply]) -> list[Any]:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import gpipe_fast as gf
 
 WIDTH = 5
+VOCAB = 11
 
 
 def model(layers: int, seed: int = 0) -> nn.Sequential:
@@ -26,6 +27,27 @@ def model(layers: int, seed: int = 0) -> nn.Sequential:
     for _ in range(layers):
         modules += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
     return nn.Sequential(*modules).double()
+
+
+def tied_model() -> nn.Sequential:
+    """A language model's shape: the head's weight is the embedding's."""
+    torch.manual_seed(3)
+    embed = nn.Embedding(VOCAB, WIDTH + 1)
+    head = nn.Linear(WIDTH + 1, VOCAB, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(WIDTH + 1, WIDTH + 1), nn.Tanh(), head).double()
+
+
+def tokens(size: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, VOCAB, (size,), generator=generator),
+        torch.randint(0, VOCAB, (size,), generator=generator),
+    )
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, target)
 
 
 def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +96,10 @@ def train(
 ) -> dict[str, Any]:
     """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients."""
     pp_group, dp_group, replica = groups(pp, dp)
-    pipe = gf.GPipe(model(layers), balance, chunks=chunks, checkpoint=checkpoint,
-                    schedule=schedule, pp_group=pp_group, dp_group=dp_group, timeout=60)  # fmt: skip
+    pipe = gf.GPipe(
+        model(layers), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        pp_group=pp_group, dp_group=dp_group, timeout=60,
+    )  # fmt: skip
     steps = []
     try:
         for step, size in enumerate(batches):
@@ -83,7 +107,9 @@ def train(
             pipe.zero_grad(set_to_none=True)
             loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
                                    nn.functional.mse_loss)  # fmt: skip
-            steps.append({"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe)})
+            steps.append(
+                {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe)}
+            )
     finally:
         pipe.close()
     return {"steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell}
@@ -123,3 +149,58 @@ def fail(rank: int, world: int, *, failing_rank: int, kill: bool = False) -> dic
     finally:
         pipe.close()
     return {"finished": True}
+
+
+def tied(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
+    """The tied language model with its embedding on rank 0 and head on rank 1: each rank's
+    copy of the shared weight ends the step with the whole gradient."""
+    cells = 4 if schedule == "interleaved" else 2
+    balance = [1, 1, 1, 1] if cells == 4 else [1, 3]
+    pipe = gf.GPipe(tied_model(), balance, chunks=3, schedule=schedule,
+                    pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    x, y = tokens(12)
+    try:
+        loss = pipe.train_step(x, y, cross_entropy)
+    finally:
+        pipe.close()
+    return {"loss": loss.item(), "grads": grads_by_name(pipe)}
+
+
+def meta(rank: int, world: int) -> dict[str, Any]:
+    """The model built on the meta device: each rank materialises only its own cells."""
+    with torch.device("meta"):
+        net = model(4)
+    torch.manual_seed(10 + rank)  # ranks initialise their cells independently
+    pipe = gf.GPipe(net, [4, 4], chunks=2, pp_group=dist.group.WORLD, timeout=60)
+    on_meta = sorted(name for name, p in net.named_parameters() if p.is_meta)
+    x, y = batch(6, seed=7)
+    try:
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    finally:
+        pipe.close()
+    state = {name: tensor.tolist() for name, tensor in pipe.state_dict().items()}
+    return {"loss": loss.item(), "grads": grads_by_name(pipe), "state": state, "meta": on_meta}
+
+
+def bad_layouts(rank: int, world: int) -> list[tuple[str, str]]:
+    """Each bad layout's error (type and message), on every rank."""
+    attempts = [
+        # 3 cells on 2 processes
+        lambda: gf.GPipe(model(3), [2, 2, 2], pp_group=dist.group.WORLD),
+        # 4 cells on 2 processes without the interleaved schedule
+        lambda: gf.GPipe(model(4), [2, 2, 2, 2], pp_group=dist.group.WORLD, schedule="1f1b"),
+        # dp and pp the same group: they overlap in more than this process
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, dp_group=dist.group.WORLD),
+        # two devices for one process
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, devices=["cpu", "meta"]),
+        # a bad timeout
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, timeout=0),
+    ]
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt().close()
+            errors.append(("none", ""))
+        except Exception as error:
+            errors.append((type(error).__name__, str(error)))
+    return errors

@@ -8,12 +8,11 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+import dist_cases
 import pytest
 import torch
-from torch import nn
-
-import dist_cases
 from cluster import Cluster, values
+from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
 
@@ -103,6 +102,58 @@ def test_pipeline_and_data_parallel_on_four_processes(four: Cluster, schedule: s
     results = _run(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
                    checkpoint="except_last", batches=batches, pp=2, dp=2)  # fmt: skip
     _check_steps(results, 4, batches)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_tied_embedding_and_head_on_two_processes(two: Cluster, schedule: str) -> None:
+    reference = dist_cases.tied_model()
+    x, y = dist_cases.tokens(12)
+    loss = dist_cases.cross_entropy(reference(x), y)
+    loss.backward()
+    results = values(two.run("tied", schedule=schedule))
+    want = reference[0].weight.grad
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-12)
+        # Each rank's copy of the shared weight: the sum over both uses.
+        names = [n for n in result["grads"] if n in ("0.weight", "3.weight")]
+        assert names, f"rank {rank} holds a copy of the tied weight"
+        for name in names:
+            torch.testing.assert_close(
+                torch.tensor(result["grads"][name], dtype=torch.float64), want
+            )
+
+
+def test_a_model_on_the_meta_device_is_built_cell_by_cell(two: Cluster) -> None:
+    results = values(two.run("meta"))
+    # No rank holds the whole model: the other rank's cells stayed on the meta device.
+    assert results[0]["meta"] == ["4.bias", "4.weight", "6.bias", "6.weight"]
+    assert results[1]["meta"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    # The ranks' state dicts merge into the full model's, which gives the same step.
+    merged = {**results[0]["state"], **results[1]["state"]}
+    reference = dist_cases.model(4)
+    reference.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in merged.items()})
+    x, y = dist_cases.batch(6, seed=7)
+    loss = nn.functional.mse_loss(reference(x), y)
+    loss.backward()
+    for result in results:
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-12)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(
+                torch.tensor(grad, dtype=torch.float64),
+                dict(reference.named_parameters())[name].grad,
+            )
+
+
+def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
+    for errors in values(two.run("bad_layouts")):
+        kinds = [kind for kind, _ in errors]
+        assert kinds == ["ValueError"] * 5, errors
+        messages = [message for _, message in errors]
+        assert messages[0].startswith("balance: 3 cells cannot be shared")
+        assert messages[1].startswith("balance: 4 cells on 2 processes")
+        assert messages[2].startswith("dp_group: it overlaps pp_group")
+        assert messages[3].startswith("devices:")
+        assert messages[4].startswith("timeout must be > 0")
 
 
 def test_an_exception_on_one_rank_reaches_every_rank(two: Cluster) -> None:
