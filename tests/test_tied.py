@@ -70,5 +70,5 @@ def test_shared_buffers_are_still_refused(make_pipe: Any) -> None:
     norm = nn.BatchNorm1d(4)
     other = nn.BatchNorm1d(4)
     other.running_mean = norm.running_mean
-    with pytest.raises(ValueError, match=r"buffer 'running_mean' of cell 1"):
+    with pytest.raises(ValueError, match=r"buffer '1.running_mean' of cell 1 is shared"):
         make_pipe(nn.Sequential(norm, other), [1, 1], devices=["cpu"] * 2)
