@@ -62,8 +62,14 @@ def _contenders(rank: int, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, A
     steps: dict[str, Any] = {}
     pipes = {}
     for schedule in ("gpipe", "1f1b"):
-        pipe = gf.GPipe(build_model(), [LAYERS, LAYERS], chunks=CHUNKS, checkpoint="never",
-                        schedule=schedule, pp_group=dist.group.WORLD)  # fmt: skip
+        pipe = gf.GPipe(
+            build_model(),
+            [LAYERS, LAYERS],
+            chunks=CHUNKS,
+            checkpoint="never",
+            schedule=schedule,
+            pp_group=dist.group.WORLD,
+        )
         pipes[schedule] = pipe
         steps[f"gpipe_fast {schedule}"] = lambda p=pipe: p.train_step(x, x, _sum_loss)
     target = torch.zeros(BATCH)
@@ -107,8 +113,13 @@ def worker(rank: int, port: int, requests: Any, replies: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=timedelta(seconds=REPLY_TIMEOUT_S))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=REPLY_TIMEOUT_S),
+        )
         torch.manual_seed(1)
         x = torch.randn(BATCH, WIDTH)
         steps, pipes = _contenders(rank, x)
@@ -142,7 +153,7 @@ class Workers:
         self.processes = [
             context.Process(
                 target=worker, args=(r, port, self.requests[r], self.replies), daemon=True
-            )  # fmt: skip
+            )
             for r in range(2)
         ]
         for process in self.processes:
@@ -207,9 +218,11 @@ def main() -> int:
                 "vs floor": medians[name] / floor,
             }
         )
-    print(f"{args.rounds} rounds; each rank's compute alone: "
-          f"{alone[0] * 1e3:.1f} ms and {alone[1] * 1e3:.1f} ms; pipeline floor "
-          f"{floor * 1e3:.1f} ms (the slower x (M + 1) / M)")  # fmt: skip
+    print(
+        f"{args.rounds} rounds; each rank's compute alone: "
+        f"{alone[0] * 1e3:.1f} ms and {alone[1] * 1e3:.1f} ms; pipeline floor "
+        f"{floor * 1e3:.1f} ms (the slower x (M + 1) / M)"
+    )
     print(f"{'contender':<20}{'ms':>9}{'vs floor':>10}")
     for row in rows:
         print(f"{row['contender']:<20}{row['ms']:>9.1f}{row['vs floor']:>10.2f}")
@@ -226,12 +239,21 @@ def main() -> int:
                 f"rank {r}: sends {p['sends_ms']:.1f} ms, receives {p['receives_ms']:.1f}"
                 f" ms (waiting included)"
                 for r, p in enumerate(parts)
-            )  # fmt: skip
+            )
         )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"medians_s": medians, "alone_s": alone, "floor_s": floor,
-                       "communication_ms": communication, "samples_s": wall}, out, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "medians_s": medians,
+                    "alone_s": alone,
+                    "floor_s": floor,
+                    "communication_ms": communication,
+                    "samples_s": wall,
+                },
+                out,
+                indent=2,
+            )
     return 0
 
 

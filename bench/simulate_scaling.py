@@ -24,15 +24,22 @@ import time
 from gpipe_fast import _C
 
 
-def simulate(kind: str, stages: int, microbatches: int, forward: float, transfer: float) -> tuple[float, float]:
+def simulate(
+    kind: str, stages: int, microbatches: int, forward: float, transfer: float
+) -> tuple[float, float]:
     """(makespan, bubble of the compute workers) of `kind` lowered onto `stages` ranks."""
-    program, worker_ranks = _C.lowered_program(
+    program, _ = _C.lowered_program(
         kind, stages, stages, microbatches, "never", list(range(stages)), False
     )
     schedule = _C.link(program, stages, microbatches, [s % stages for s in range(stages)])
     names = _C.actions()
-    cost = {"forward": forward, "backward": 2 * forward, "loss": 0.0, "recv_forward": transfer,
-            "recv_backward": transfer}  # fmt: skip
+    cost = {
+        "forward": forward,
+        "backward": 2 * forward,
+        "loss": 0.0,
+        "recv_forward": transfer,
+        "recv_backward": transfer,
+    }
     costs = [cost.get(names[t.action], 0.0) for t in schedule.tasks]
     timeline = _C.simulate(schedule, costs)
     busy = sum(c for t, c in zip(schedule.tasks, costs, strict=True) if t.worker < stages)
@@ -47,25 +54,33 @@ def main() -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[8, 32, 128])
     args = parser.parse_args()
     transfer = args.boundary_mib * 2**20 / (args.link_gbps * 1e9) * 1e3  # ms
-    print(f"model forward {args.model_ms} ms per micro-batch in all; transfer {transfer:.3f} ms "
-          f"per boundary tensor ({args.boundary_mib} MiB at {args.link_gbps} GB/s); M = 4K")  # fmt: skip
-    print("| K | M | schedule | step (ms) | bubble | ms per micro-batch | throughput vs "
-          f"K={args.stages[0]} (ideal) |")  # fmt: skip
+    print(
+        f"model forward {args.model_ms} ms per micro-batch in all; transfer {transfer:.3f} ms "
+        f"per boundary tensor ({args.boundary_mib} MiB at {args.link_gbps} GB/s); M = 4K"
+    )
+    print(
+        "| K | M | schedule | step (ms) | bubble | ms per micro-batch | throughput vs "
+        f"K={args.stages[0]} (ideal) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for kind in ("gpipe", "1f1b"):
         base = None
         for stages in args.stages:
             microbatches = 4 * stages
             start = time.perf_counter()
-            makespan, bubble = simulate(kind, stages, microbatches, args.model_ms / stages, transfer)
+            makespan, bubble = simulate(
+                kind, stages, microbatches, args.model_ms / stages, transfer
+            )
             per_microbatch = makespan / microbatches
             # One micro-batch's work is shared by K devices: micro-batches per ms grow with K
             # as far as the bubble and the transfers allow (ideally K / K0 times).
             throughput = microbatches / makespan
             base = base or throughput
             ideal = stages / args.stages[0]
-            print(f"| {stages} | {microbatches} | {kind} | {makespan:.1f} | {bubble:.1%} | "
-                  f"{per_microbatch:.3f} | {throughput / base:.2f}x ({ideal:.0f}x) |")  # fmt: skip
+            print(
+                f"| {stages} | {microbatches} | {kind} | {makespan:.1f} | {bubble:.1%} | "
+                f"{per_microbatch:.3f} | {throughput / base:.2f}x ({ideal:.0f}x) |"
+            )
             print(f"  (simulated in {time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return 0
 

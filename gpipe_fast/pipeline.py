@@ -113,10 +113,12 @@ class Pipeline:
             else None
         )
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
-        # One worker per local compute worker, and one for communication when lowered.
+        # One worker per local compute worker, then the communication workers of a lowered
+        # schedule (as many as its schedules have: one per flow received).
         streams = self.streams.native()
         if self.schedules.lowered:
-            streams.append(self.streams.communication_stream())
+            workers = self.schedules.train_step(1, "never")[0].workers
+            streams += [self.streams.communication_stream() for _ in range(workers - len(streams))]
         self.executor = _C.Executor(len(streams), self.streams.backend)
         self.executor.set_streams(streams)
         self.threads_per_cell = threads_per_cell
