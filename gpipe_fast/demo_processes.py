@@ -21,8 +21,9 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 import gpipe_fast as gf
 from gpipe_fast.timeline import TaskSpan, Timeline
 
-# Each process: its compute worker and its communication worker.
-_ROWS = ("compute", "communication")
+# Each process's workers: its compute worker (which also posts the sends) and the workers
+# receiving activations and gradients.
+_ROWS = ("compute", "receiving activations", "receiving gradients")
 
 
 def _free_port() -> int:
@@ -79,10 +80,11 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
 
 def merged_timeline(spans_by_rank: list[list[TaskSpan]], cells: int, microbatches: int,
                     schedule: str) -> Timeline:  # fmt: skip
-    """One timeline of every rank's step: rank r's workers become rows 2r and 2r + 1 (the
-    ranks share the host's steady clock)."""
+    """One timeline of every rank's step: rank r's workers become rows 3r, 3r + 1 and 3r + 2
+    (the ranks share the host's steady clock)."""
+    rows_per_rank = len(_ROWS)
     spans = [
-        replace(span, worker=2 * rank + span.row)
+        replace(span, worker=rows_per_rank * rank + span.row)
         for rank, ranks_spans in enumerate(spans_by_rank)
         for span in ranks_spans
     ]
@@ -134,19 +136,21 @@ def run(args: argparse.Namespace) -> int:
     return 0 if last < first else 1
 
 
-def communication_ms(timeline: Timeline, worker: int) -> tuple[float, float]:
-    """(posting sends, receiving with the wait for the data) of one worker, in ms."""
-    spans = [s for s in timeline.spans if s.row == worker]
+def communication_ms(timeline: Timeline, rank: int) -> tuple[float, float]:
+    """(posting sends, receiving with the wait for the data) of one rank's workers, in ms."""
+    rows = range(len(_ROWS) * rank, len(_ROWS) * (rank + 1))
+    spans = [s for s in timeline.spans if s.row in rows]
     sends = sum(s.duration_s for s in spans if s.kind.startswith("send"))
     receives = sum(s.duration_s for s in spans if s.kind.startswith("recv"))
     return sends * 1e3, receives * 1e3
 
 
 def _rank_line(timeline: Timeline, rank: int) -> str:
-    sends, receives = communication_ms(timeline, 2 * rank + 1)
+    sends, receives = communication_ms(timeline, rank)
+    compute = timeline.busy(len(_ROWS) * rank) - sends / 1e3  # the sends run on that worker
     return (
-        f"rank {rank} computes {timeline.busy(2 * rank) * 1e3:.1f} ms, posts sends "
-        f"{sends:.1f} ms, receives {receives:.1f} ms (waiting for the data included)"
+        f"rank {rank} computes {compute * 1e3:.1f} ms, posts sends {sends:.1f} ms, receives "
+        f"{receives:.1f} ms (waiting for the data included)"
     )
 
 

@@ -27,8 +27,8 @@ def test_demo_across_two_processes(tmp_path: Path) -> None:
     assert "rank 0 computes" in result.stdout and "rank 1 computes" in result.stdout
     trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert rows == {"rank 0 compute", "rank 0 communication", "rank 1 compute",
-                    "rank 1 communication"}  # fmt: skip
+    assert rows == {f"rank {r} {what}" for r in (0, 1) for what in
+                    ("compute", "receiving activations", "receiving gradients")}  # fmt: skip
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "backward", "loss", "send_forward", "recv_forward"} <= kinds
 
@@ -38,16 +38,18 @@ def _span(kind: str, cell: int, start: float, end: float, worker: int) -> TaskSp
 
 
 def test_merged_timeline_puts_each_ranks_workers_on_rows_of_their_own() -> None:
-    rank0 = [_span("forward", 0, 1.0, 2.0, 0), _span("send_forward", 0, 2.0, 2.5, 1)]
+    rank0 = [_span("forward", 0, 1.0, 2.0, 0), _span("send_forward", 0, 2.0, 2.5, 0)]
     rank1 = [_span("recv_forward", 1, 1.5, 2.6, 1), _span("forward", 1, 2.6, 3.0, 0)]
     timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="1f1b")
-    assert timeline.row_names == (
-        "rank 0 compute", "rank 0 communication", "rank 1 compute", "rank 1 communication",
+    assert timeline.row_names[:4] == (
+        "rank 0 compute", "rank 0 receiving activations", "rank 0 receiving gradients",
+        "rank 1 compute",
     )  # fmt: skip
     assert [(s.kind, s.worker) for s in timeline.spans] == [
-        ("forward", 0), ("recv_forward", 3), ("send_forward", 1), ("forward", 2),
+        ("forward", 0), ("recv_forward", 4), ("send_forward", 0), ("forward", 3),
     ]  # fmt: skip
     assert timeline.spans[0].start_s == 0.0  # the earliest span starts the step
     # The bubble counts the computing rows only; communication is reported apart.
-    assert timeline.compute_rows() == [0, 2]
-    assert communication_ms(timeline, 3) == pytest.approx((0.0, 1100.0))
+    assert timeline.compute_rows() == [0, 3]
+    assert communication_ms(timeline, 0) == pytest.approx((500.0, 0.0))
+    assert communication_ms(timeline, 1) == pytest.approx((0.0, 1100.0))
