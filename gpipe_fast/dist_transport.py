@@ -35,6 +35,8 @@ class DistTransport:
         self.guard = guard
         self.device = device
         self.outbox: dict[tuple[Flow, int, int], Payload] = {}
+        # Headers whose receive was posted ahead (see expect): (flow, stage, m) -> request.
+        self.headers: dict[tuple[Flow, int, int], tuple[Any, Tensor]] = {}
         # Sends posted and not yet known complete: (requests, what, peer); their tensors are
         # kept alive by the requests' buffers until then.
         self.sends: list[tuple[list[Any], list[Tensor], str, int]] = []
@@ -77,6 +79,20 @@ class DistTransport:
         self.sends.append((requests, buffers, self._what(flow, stage, microbatch), peer))
         self._collect()
 
+    def _post_header(self, flow: Flow, stage: int, microbatch: int) -> tuple[Any, Tensor]:
+        sender = stage - 1 if flow == ACTIVATION else stage + 1
+        peer = self.layout.global_rank(sender)
+        tag = self._tag(flow, min(stage, sender), microbatch)
+        header = wire.empty_header(self.device)
+        return dist.irecv(header, src=peer, group=self.layout.pp_group, tag=tag), header
+
+    def expect(self, receives: list[tuple[Flow, int, int]]) -> None:
+        """Posts the header receive of each of the step's messages at once: a sender then
+        delivers a header as soon as it posts it, and each receive waits only for its
+        tensors (gloo moves a message once its receive is posted)."""
+        for key in receives:
+            self.headers[key] = self._post_header(*key)
+
     def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
         """Receives `stage`'s next value from its neighbour's process into the mailbox."""
         sender = stage - 1 if flow == ACTIVATION else stage + 1
@@ -84,8 +100,9 @@ class DistTransport:
         tag = self._tag(flow, min(stage, sender), microbatch)
         group = self.layout.pp_group
         what = self._what(flow, sender, microbatch)
-        header = wire.empty_header(self.device)
-        self.guard.wait(dist.irecv(header, src=peer, group=group, tag=tag), what, peer)
+        posted = self.headers.pop((flow, stage, microbatch), None)
+        request, header = posted or self._post_header(flow, stage, microbatch)
+        self.guard.wait(request, what, peer)
         is_tuple, entries = wire.layout(header)
         tensors = [
             None if e is None else torch.empty(e[1], dtype=e[0], device=self.device)

@@ -222,6 +222,13 @@ class Step:
         pipeline = self.pipeline
         if self.first_input is not None:
             pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
+        expect = getattr(self.context.transport, "expect", None)
+        if expect is not None:  # across processes: every receive's header, posted ahead
+            expect([
+                (ACTIVATION if ACTIONS[t.action] == "recv_forward" else GRADIENT, t.stage, t.microbatch)
+                for t in schedule.tasks
+                if ACTIONS[t.action] in ("recv_forward", "recv_backward")
+            ])  # fmt: skip
         pipeline.execute(schedule, self, "step")
         for device in {pipeline.devices[k] for k, stage in enumerate(self.stages) if stage}:
             pipeline.streams.join_caller(device)
