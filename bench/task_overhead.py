@@ -57,9 +57,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(
-        "| K | M | pipe(x) + backward | train_step gpipe | train_step 1f1b | train_step zero_bubble |"
-    )
+    print("| K | M | pipe(x) + backward | train_step gpipe | train_step 1f1b | train_step ZB |")
     print("|---|---|---|---|---|---|")
     for cells in args.cells:
         for chunks in args.chunks:

@@ -224,10 +224,11 @@ class Step:
             pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
         expect = getattr(self.context.transport, "expect", None)
         if expect is not None:  # across processes: every receive's header, posted ahead
+            flows = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
             expect([
-                (ACTIVATION if ACTIONS[t.action] == "recv_forward" else GRADIENT, t.stage, t.microbatch)
+                (flows[ACTIONS[t.action]], t.stage, t.microbatch)
                 for t in schedule.tasks
-                if ACTIONS[t.action] in ("recv_forward", "recv_backward")
+                if ACTIONS[t.action] in flows
             ])  # fmt: skip
         pipeline.execute(schedule, self, "step")
         for device in {pipeline.devices[k] for k, stage in enumerate(self.stages) if stage}:
