@@ -63,7 +63,9 @@ def measure(workload: Workload, rounds: int) -> list[dict[str, object]]:
     rows = []
     pipes = {}
     for schedule, cells, workers in SCHEDULES:
-        plan = gf.plan(model, x, cells, workload.chunks, schedule=schedule, devices=workers)
+        plan = gf.plan(
+            model, x, cells, workload.chunks, schedule=schedule, devices=workers, repeats=15
+        )
         pipe = gf.GPipe(model, plan.balance, devices=["cpu"] * workers, chunks=workload.chunks,
                         checkpoint="never", schedule=schedule)  # fmt: skip
         pipes[schedule] = (pipe, plan)

@@ -58,6 +58,25 @@ def gpipe_backward(
     stages: int, microbatches: int, recompute: Sequence[bool], stage_workers: Sequence[int] = ...
 ) -> Schedule: ...
 def dry_run(schedule: Schedule) -> list[tuple[int, int, int]]: ...
+def rank_schedule(
+    kind: str,
+    stages: int,
+    workers: int,
+    microbatches: int,
+    checkpoint: str,
+    worker_ranks: Sequence[int],
+    reduce_grad: bool,
+    rank: int,
+) -> Schedule: ...
+def lowered_program(
+    kind: str,
+    stages: int,
+    workers: int,
+    microbatches: int,
+    checkpoint: str,
+    worker_ranks: Sequence[int],
+    reduce_grad: bool,
+) -> tuple[Program, list[int]]: ...
 
 class SimulatedTimeline:
     @property

@@ -53,7 +53,7 @@ class Exit(torch.autograd.Function):
     def forward(ctx: Any, step: Step, phony: Tensor) -> Any:  # type: ignore[override]
         outputs, step.gathered = step.gathered, ()
         ctx.step = step
-        ctx.sizes = [as_tensors(o, "output")[0].size(0) for o in step.stages[-1].outputs]
+        ctx.sizes = [as_tensors(o, "output")[0].size(0) for o in step.last_stage().outputs]
         ctx.integral = [not o.is_floating_point() for o in outputs]
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return outputs if len(outputs) > 1 else outputs[0]

@@ -69,6 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--processes",
+        type=_positive,
+        default=1,
+        help="P > 1: train with one cell per process, P processes started here and joined by "
+        "gloo over 127.0.0.1 (default 1: one process)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=["gpipe", "1f1b", "zero_bubble"],
+        default="1f1b",
+        help="the schedule across processes (default 1f1b)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=Path("gpipe_fast_out"),
@@ -349,6 +362,10 @@ def _print_memory(pipe: gf.GPipe) -> None:
 def run_demo(argv: list[str]) -> int:
     """Runs the demo; 0 when gpipe_fast's loss went down."""
     args = _parser().parse_args(argv)
+    if args.processes > 1:
+        from gpipe_fast import demo_processes
+
+        return demo_processes.run(args)
     torch.manual_seed(args.seed)
     devices = _devices(args.cells)
     model = _model(args.width, args.depth, _INPUTS)  # first: its weights do not depend on --steps

@@ -13,14 +13,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_fast.balance import balance_by_params
 from gpipe_fast.batchnorm import DeferredBatchNorm
+from gpipe_fast.layout import check_device, make_layout
 from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.schedules import check_schedule
 from gpipe_fast.step import LossFn
+from gpipe_fast.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
@@ -89,6 +93,9 @@ class GPipe(nn.Module):
         deferred_batch_norm: bool = False,
         recompute_pool: bool = False,
         schedule: str = "gpipe",
+        pp_group: Any | None = None,
+        dp_group: Any | None = None,
+        timeout: float = 300.0,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -98,28 +105,24 @@ class GPipe(nn.Module):
         if not isinstance(recompute_pool, bool):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
         schedule = check_schedule(schedule)
+        timeout = _check_timeout(timeout)
 
-        given_devices = None if devices is None else _resolve_devices(devices)
-        if balance is None:
-            balance = _default_balance(module, given_devices)
-        balance = _check_balance(balance, len(module))
-        resolved_devices = (
-            _default_devices(len(balance)) if given_devices is None else given_devices
-        )
-        stage_workers = list(range(len(balance)))
-        if schedule == "interleaved" and balance:
-            workers = len(resolved_devices)
-            if len(balance) % workers != 0:
-                raise ValueError(
-                    f"balance: the interleaved schedule needs len(balance) ({len(balance)}) to "
-                    f"be a multiple of len(devices) ({workers}): V cells per device"
-                )
-            stage_workers = [k % workers for k in range(len(balance))]
-            resolved_devices = [resolved_devices[w] for w in stage_workers]
-        elif len(resolved_devices) < len(balance):
-            raise TooFewDevicesError(
-                f"devices: {len(balance)} cells need {len(balance)} devices, "
-                f"got {len(resolved_devices)}"
+        if pp_group is not None:
+            size = dist.get_world_size(pp_group)
+            balance = balance_by_params(size, module) if balance is None else balance
+            balance = _check_balance(balance, len(module))
+            layout = make_layout(pp_group, dp_group, len(balance), schedule)
+            device = check_device(devices, layout)
+            resolved_devices = [device] * len(balance)
+            stage_workers = [k % size for k in range(len(balance))]
+        else:
+            given_devices = None if devices is None else _resolve_devices(devices)
+            if balance is None:
+                balance = _default_balance(module, given_devices)
+            balance = _check_balance(balance, len(module))
+            layout = make_layout(None, dp_group, len(balance), schedule)
+            resolved_devices, stage_workers = _single_process_devices(
+                given_devices, balance, schedule
             )
 
         self.balance = list(balance)
@@ -128,23 +131,40 @@ class GPipe(nn.Module):
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         self.schedule = schedule
+        self.layout = layout
 
         named = list(module._modules.items())  # named_children() would drop a repeated layer
         cells, start = [], 0
-        for size, device in zip(self.balance, self.devices, strict=True):
+        for size in self.balance:
             cell = nn.Sequential(OrderedDict(named[start : start + size]))
             if deferred_batch_norm:
                 cell = cast(nn.Sequential, DeferredBatchNorm.convert(cell))
-            cells.append(cell.to(device))
+            cells.append(cell)
             start += size
-        _reject_shared_parameters(cells)
-        self.partitions = nn.ModuleList(cells)
-        # Layer name in the original module -> cell, so state_dict keeps the original keys.
-        self._cell_of = {name: k for k, cell in enumerate(cells) for name in cell._modules}
+        _reject_shared_buffers(cells)
+        ties = find_ties(cells)
+        if not layout.multi_process:
+            replicate_across_devices(cells, self.devices, ties)
+        here = [layout.is_local(k) for k in range(len(cells))]
+        # Another process's cell stays as it is (on the meta device, it never holds memory).
+        cells = [
+            _materialized(cell, device) if mine else cell
+            for cell, device, mine in zip(cells, self.devices, here, strict=True)
+        ]
+        retie(cells, ties, here)
+        tied = TiedGradients(cells, ties, layout)
+        local = [cells[k] for k in layout.local_stages] if cells else []
+        self.partitions = nn.ModuleList(local)
+        # Layer name in the original module -> position in partitions, so state_dict keeps
+        # the original keys (and, across processes, holds this process's cells only).
+        self._cell_of = {name: k for k, cell in enumerate(local) for name in cell._modules}
         self._register_state_dict_hook(_strip_cell_prefix)
         self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
 
-        self._threads_per_cell = _default_threads_per_cell(self.devices)
+        self._threads_per_cell = _default_threads_per_cell(
+            [self.devices[k] for k in layout.local_stages] if cells else [],
+            one_worker=layout.multi_process,
+        )
         self._step_timeout: float | None = None
         # No cells, no workers: an empty pipe is the identity (as in torchgpipe).
         self._pipeline = (
@@ -155,6 +175,9 @@ class GPipe(nn.Module):
                 stage_workers=stage_workers,
                 schedule=schedule,
                 recompute_pool=recompute_pool,
+                layout=layout,
+                timeout_s=timeout,
+                tied=tied,
             )
             if cells
             else None
@@ -353,6 +376,51 @@ class GPipe(nn.Module):
         )
 
 
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def _single_process_devices(
+    given: list[torch.device] | None, balance: list[int], schedule: str
+) -> tuple[list[torch.device], list[int]]:
+    """Each cell's device and worker in one process: one device (and worker) per cell, or
+    for the interleaved schedule V cells per given device, cell s on devices[s % D]."""
+    devices = _default_devices(len(balance)) if given is None else given
+    if schedule == "interleaved" and balance:
+        workers = len(devices)
+        if len(balance) % workers != 0:
+            raise ValueError(
+                f"balance: the interleaved schedule needs len(balance) ({len(balance)}) to "
+                f"be a multiple of len(devices) ({workers}): V cells per device"
+            )
+        stage_workers = [k % workers for k in range(len(balance))]
+        return [devices[w] for w in stage_workers], stage_workers
+    if len(devices) < len(balance):
+        raise TooFewDevicesError(
+            f"devices: {len(balance)} cells need {len(balance)} devices, got {len(devices)}"
+        )
+    return devices[: len(balance)], list(range(len(balance)))
+
+
+def _materialized(cell: nn.Sequential, device: torch.device) -> nn.Sequential:
+    """The cell on `device`; built on the meta device (a model too big for one process), it
+    gets real memory there and each layer's own initialisation (reset_parameters)."""
+    on_meta = any(t.is_meta for t in [*cell.parameters(), *cell.buffers()])
+    if not on_meta:
+        return cell.to(device)
+    cell = cell.to_empty(device=device)
+    with torch.no_grad():
+        for layer in cell.modules():
+            reset = getattr(layer, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return cell
+
+
 def _cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -473,24 +541,32 @@ def _deny_moving(call: str) -> NoReturn:
     )
 
 
-def _reject_shared_parameters(cells: list[nn.Sequential]) -> None:
+def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
+    """A buffer (a running statistic) shared by cells could not be kept in step: parameters
+    can (gpipe_fast.tied)."""
     owner: dict[int, tuple[int, str]] = {}
     for k, cell in enumerate(cells):
-        for name, tensor in [*cell.named_parameters(), *cell.named_buffers()]:
+        for name, tensor in cell.named_buffers():
             first = owner.setdefault(id(tensor), (k, name))
             if first[0] != k:
                 raise ValueError(
-                    f"balance: parameter {name!r} of cell {k} is shared with {first[1]!r} of cell "
-                    f"{first[0]}; a tensor can live in only one cell (keep the layers sharing it "
+                    f"balance: buffer {name!r} of cell {k} is shared with {first[1]!r} of cell "
+                    f"{first[0]}; a buffer can live in only one cell (keep the layers sharing it "
                     f"in the same cell)"
                 )
 
 
-def _default_threads_per_cell(devices: list[torch.device]) -> int | None:
-    """Each CPU cell's share of the cores, unless the user set OMP_NUM_THREADS."""
+def _default_threads_per_cell(
+    devices: list[torch.device], *, one_worker: bool = False
+) -> int | None:
+    """Each CPU cell's share of the cores, unless the user set OMP_NUM_THREADS. With
+    `one_worker` (a process of a multi-process pipe: its cells share one worker) the cores
+    are shared by the host's processes instead (LOCAL_WORLD_SIZE, as torchrun sets it)."""
     cpu_cells = sum(device.type == "cpu" for device in devices)
     if cpu_cells == 0 or os.environ.get("OMP_NUM_THREADS"):
         return None
+    if one_worker:
+        return max(1, _cpu_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, _cpu_cores() // cpu_cells)
 
 

@@ -28,7 +28,8 @@ def stash_bytes(steps: Iterable[Step], cell: int) -> int:
     own device are views of the input), and several views may share one storage."""
     storages: dict[tuple[torch.device, int], int] = {}
     for step in steps:
-        for value in step.stages[cell].inputs:
+        stage = step.stages[cell]
+        for value in [] if stage is None else stage.inputs:
             if value is None:
                 continue
             for tensor in as_tensors(value, "stashed input"):

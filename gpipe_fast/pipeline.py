@@ -29,12 +29,18 @@ from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.bridge import Enter, Exit
 from gpipe_fast.cell import Cell
 from gpipe_fast.checkpoint import recomputed_microbatches
+from gpipe_fast.dist_transport import DistTransport
+from gpipe_fast.grad_reduce import sum_gradients
+from gpipe_fast.layout import ProcessLayout
 from gpipe_fast.microbatch import Value, as_tensors, batch_size, gather, like, scatter, split_sizes
+from gpipe_fast.process_groups import ProcessGroups
 from gpipe_fast.randomness import TaskRandomness
 from gpipe_fast.recompute_memory import RecomputeMemory
 from gpipe_fast.schedules import ScheduleCache
 from gpipe_fast.step import LossFn, Step
 from gpipe_fast.streams import CellStreams
+from gpipe_fast.tied import TiedGradients
+from gpipe_fast.transport import LocalTransport
 
 REDUCTIONS = ("mean", "sum")
 
@@ -66,26 +72,66 @@ class Pipeline:
         stage_workers: Sequence[int] | None = None,
         schedule: str = "gpipe",
         recompute_pool: bool = False,
+        layout: ProcessLayout | None = None,
+        timeout_s: float = 300.0,
+        tied: TiedGradients | None = None,
     ) -> None:
+        self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
+        self.tied = tied
         self.devices = list(devices)
         self.stage_workers = list(stage_workers or range(len(modules)))
-        self.streams = CellStreams(self.devices, self.stage_workers)
-        self.cells = [
-            Cell(k, module, device, self.streams, threads_per_cell)
-            for k, (module, device) in enumerate(zip(modules, self.devices, strict=True))
+        # Across processes this one runs its cells on one compute worker (stage s of the
+        # whole pipeline is on worker s mod P); others' cells are placeholders here.
+        local = [self.layout.is_local(k) for k in range(len(modules))]
+        worker_ranks = None
+        if self.layout.multi_process:
+            worker_ranks = list(range(self.layout.pp_size))
+            self.stage_workers = [k % self.layout.pp_size for k in range(len(modules))]
+        reduce_grad = self.layout.dp_group is not None
+        # The learning flags of every cell (also those of other processes: they decide
+        # which inputs need a gradient).
+        self.learns = [any(p.requires_grad for p in m.parameters()) for m in modules]
+        local_workers = [0 if self.layout.multi_process else w for w in self.stage_workers]
+        self.streams = CellStreams(self.devices, local_workers)
+        self.cells: list[Cell | None] = [
+            Cell(k, module, device, self.streams, threads_per_cell) if here else None
+            for k, (module, device, here) in enumerate(
+                zip(modules, self.devices, local, strict=True)
+            )
         ]
         self.kind = schedule
-        self.schedules = ScheduleCache(self.stage_workers, schedule)
+        self.schedules = ScheduleCache(
+            self.stage_workers,
+            schedule,
+            worker_ranks=worker_ranks,
+            rank=self.layout.pp_index,
+            reduce_grad=reduce_grad,
+        )
+        self.groups = (
+            ProcessGroups(self.layout, self.devices[self.layout.local_stages[0]], timeout_s)
+            if self.layout.multi_process or reduce_grad
+            else None
+        )
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
-        self.executor = _C.Executor(self.schedules.workers, self.streams.backend)
-        self.executor.set_streams(self.streams.native())
+        # One worker per local compute worker, then the communication workers of a lowered
+        # schedule (as many as its schedules have: one per flow received).
+        streams = self.streams.native()
+        if self.schedules.lowered:
+            workers = self.schedules.train_step(1, "never")[0].workers
+            streams += [self.streams.communication_stream() for _ in range(workers - len(streams))]
+        self.executor = _C.Executor(len(streams), self.streams.backend)
+        self.executor.set_streams(streams)
         self.threads_per_cell = threads_per_cell
         # Seconds a run may take before TimeoutError (None: no limit).
         self.step_timeout: float | None = None
         self.deferred_batch_norms = [
-            layer for m in modules for layer in m.modules() if isinstance(layer, DeferredBatchNorm)
+            layer
+            for k, m in enumerate(modules)
+            if local[k]
+            for layer in m.modules()
+            if isinstance(layer, DeferredBatchNorm)
         ]
-        _preload_lazy_imports(random_cells=any(cell.may_draw_random() for cell in self.cells))
+        _preload_lazy_imports(random_cells=self.may_draw_random())
         self._run_lock = threading.RLock()  # held around each run and its commit
         # Keeps the phony leaf alive: every pipe output hangs off it.
         self._phony = torch.empty(0, requires_grad=True)
@@ -97,8 +143,37 @@ class Pipeline:
         # frees its step).
         self.live_steps: weakref.WeakSet[Step] = weakref.WeakSet()
 
+    @property
+    def local_cells(self) -> list[Cell]:
+        return [cell for cell in self.cells if cell is not None]
+
+    def make_transport(self) -> Any:
+        """A step's transport: in-process, or across the pipeline group's processes."""
+        local = LocalTransport(self.streams, self.devices)
+        if not self.layout.multi_process:
+            return local
+        assert self.groups is not None
+        device = self.devices[self.layout.local_stages[0]]
+        return DistTransport(local, self.layout, self.groups.guard, device)
+
+    def task_failed(self, error: BaseException) -> None:
+        """Tells the other processes at once, so that their waits end (multi-process)."""
+        if self.groups is not None:
+            self.groups.guard.report(f"{type(error).__name__}: {error}")
+
+    def reduce_gradients(self, stage: int) -> None:
+        """Stage `stage`'s gradients summed over the data-parallel group."""
+        cell = self.cells[stage]
+        assert cell is not None and self.groups is not None
+        sum_gradients(
+            list(cell.module.parameters()),
+            self.layout.dp_group,
+            self.groups.guard,
+            f"cell {stage}'s gradients from the other replicas",
+        )
+
     def may_draw_random(self) -> bool:
-        return any(cell.may_draw_random() for cell in self.cells)
+        return any(cell.may_draw_random() for cell in self.local_cells)
 
     def set_recording(self, on: bool) -> None:
         """Records the task spans of the next steps (on) or stops and forgets them (off)."""
@@ -131,17 +206,24 @@ class Pipeline:
     # -- pipe(x) ---------------------------------------------------------------------------
 
     def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
+        if self.groups is not None:
+            raise RuntimeError(
+                "gpipe_fast: a pipe with pp_group or dp_group trains with "
+                "pipe.train_step(x, target, loss_fn) on every rank, not pipe(x)"
+            )
         with torch.no_grad():
             microbatches = scatter(input, chunks)
         given = as_tensors(input, "input")
         track = torch.is_grad_enabled() and (
-            any(cell.learns for cell in self.cells) or any(t.requires_grad for t in given)
+            any(self.learns) or any(t.requires_grad for t in given)
         )
         input_needs_grad = [track and t.requires_grad for t in given]
         flags = recomputed_microbatches(checkpoint if training else "never", len(microbatches))
         step = Step(self, microbatches, input_needs_grad, [flags] * len(self.cells), track)
         if track:
             self.live_steps.add(step)
+        if self.tied:
+            self.tied.before_step()
         outputs = self._committed(step.forward)
         if not track:
             return gather(outputs)
@@ -168,25 +250,103 @@ class Pipeline:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if self.groups is not None:
+            return self._train_step_across_processes(
+                input, target, loss_fn, chunks, checkpoint if training else "never", reduction
+            )
         given = as_tensors(input, "input")
+        batch = batch_size(given, "input")
         with torch.no_grad():
             microbatches = scatter(input, chunks)
-            targets = _scatter_target(target, batch_size(given, "input"), chunks)
-        count = len(microbatches)
+            targets = _scatter_target(target, batch, chunks)
+        step, schedule = self._training_step(
+            microbatches, [t.requires_grad for t in given], len(microbatches), checkpoint,
+            training, loss_fn, targets, _loss_weights(batch, batch, chunks, reduction),
+        )  # fmt: skip
+        if self.tied:
+            self.tied.before_step()
+        loss = self._committed(lambda: step.train(schedule))
+        self.after_backward()
+        _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
+        return loss  # type: ignore[no-any-return]
+
+    def after_backward(self) -> None:
+        """What a step's backward leaves to do once every cell's is done: tied gradients."""
+        if self.tied:
+            self.tied.after_backward()
+
+    def _training_step(
+        self,
+        microbatches: list[Value],
+        input_needs_grad: list[bool],
+        count: int,
+        checkpoint: str,
+        training: bool,
+        loss_fn: LossFn,
+        targets: list[Any],
+        weights: list[float],
+    ) -> tuple[Step, Any]:
         schedule, flags = self.schedules.train_step(count, checkpoint if training else "never")
-        input_needs_grad = [t.requires_grad for t in given]
         step = Step(
-            self, microbatches, input_needs_grad, flags, True, split=self.kind == "zero_bubble"
-        )
+            self, microbatches, input_needs_grad, flags, True,
+            count=count, split=self.kind == "zero_bubble",
+        )  # fmt: skip
         context = step.context
         context.loss_fn = loss_fn
         context.targets = targets
-        sizes = split_sizes(batch_size(given, "input"), chunks)
-        total = sum(sizes)
-        context.loss_weights = [n / total for n in sizes] if reduction == "mean" else [1.0] * count
-        loss = self._committed(lambda: step.train(schedule))
-        _accumulate_input_grads(given, input_needs_grad, context.input_grads)
-        return loss  # type: ignore[no-any-return]
+        context.loss_weights = weights
+        return step, schedule
+
+    def _train_step_across_processes(
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: LossFn,
+        chunks: int,
+        checkpoint: str,
+        reduction: str,
+    ) -> Tensor:
+        """Every rank's share of a training step: the batch's size comes from cell 0's rank,
+        the loss from the last cell's; cell 0's rank needs `input`, the last cell's `target`
+        (others may pass None)."""
+        groups = self.groups
+        assert groups is not None
+        groups.check_usable()
+        first, last = self.layout.is_local(0), self.layout.is_local(self.layout.stages - 1)
+        given = as_tensors(input, "input") if first else ()
+        if first and input is None:
+            raise ValueError(f"input: rank {self.layout.pp_index} runs cell 0 and needs it")
+        if last and target is None:
+            raise ValueError(f"target: rank {self.layout.pp_index} runs the last cell and needs it")
+        try:
+            batch, total = groups.batch(batch_size(given, "input") if first else None)
+        except BaseException as error:
+            self.task_failed(error)
+            raise
+        sizes = split_sizes(batch, chunks)
+        with torch.no_grad():
+            microbatches = scatter(input, chunks) if input is not None and first else []
+            targets = _scatter_target(target, batch, chunks) if last else [None] * len(sizes)
+        step, schedule = self._training_step(
+            microbatches, [t.requires_grad for t in given], len(sizes), checkpoint, True,
+            loss_fn, targets, _loss_weights(batch, total, chunks, reduction),
+        )  # fmt: skip
+        try:
+            if self.tied:
+                self.tied.before_step()
+            local = self._committed(lambda: step.train(schedule))
+            transport = step.context.transport
+            if isinstance(transport, DistTransport):
+                transport.finish()
+            if self.tied:
+                self.tied.after_backward(groups.guard, groups.device)
+            loss = groups.loss(local)
+        except BaseException as error:
+            self.task_failed(error)
+            raise
+        if first:
+            _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
+        return loss
 
     def close(self) -> None:
         self.executor.close()
@@ -196,6 +356,13 @@ class Pipeline:
 
 def _detached(value: Value) -> Value:
     return like([t.detach() for t in as_tensors(value, "output")], value)
+
+
+def _loss_weights(batch: int, total: int, chunks: int, reduction: str) -> list[float]:
+    """Each micro-batch's loss weight: its share of the `total` batch (over every replica)
+    for a mean, 1 for a sum."""
+    sizes = split_sizes(batch, chunks)
+    return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
 
 
 def _scatter_target(target: Any, batch: int, chunks: int) -> list[Any]:

@@ -31,13 +31,31 @@ def recomputed(schedule: Any) -> list[list[bool]]:
 
 class ScheduleCache:
     """The schedules of one pipe (its stages and their workers), each built and validated
-    once per (kind, micro-batches, checkpoint) and kept while recently used."""
+    once per (kind, micro-batches, checkpoint) and kept while recently used.
 
-    def __init__(self, stage_workers: Sequence[int], kind: str, capacity: int = 64) -> None:
+    With `worker_ranks` (the rank of each compute worker; stage s on worker s % workers) or
+    `reduce_grad`, a training step is lowered onto ranks: this process (`rank`) runs its
+    compute workers and one communication worker for the sends, receives and gradient
+    reductions; every rank's program is dry-run together once when the schedule is built."""
+
+    def __init__(
+        self,
+        stage_workers: Sequence[int],
+        kind: str,
+        *,
+        worker_ranks: Sequence[int] | None = None,
+        rank: int = 0,
+        reduce_grad: bool = False,
+        capacity: int = 64,
+    ) -> None:
         self.stage_workers = list(stage_workers)
         self.stages = len(self.stage_workers)
         self.workers = max(self.stage_workers) + 1
         self.kind = kind
+        self.lowered = worker_ranks is not None or reduce_grad
+        self.worker_ranks = list(worker_ranks) if worker_ranks is not None else [0] * self.workers
+        self.rank = rank
+        self.reduce_grad = reduce_grad
         self.capacity = capacity
         self._built: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
@@ -55,9 +73,15 @@ class ScheduleCache:
         """The training-step schedule and its recompute flags."""
 
         def build() -> tuple[Any, list[list[bool]]]:
-            schedule = _C.make_schedule(
-                self.kind, self.stages, self.workers, microbatches, checkpoint
-            )
+            if self.lowered:
+                schedule = _C.rank_schedule(
+                    self.kind, self.stages, self.workers, microbatches, checkpoint,
+                    self.worker_ranks, self.reduce_grad, self.rank,
+                )  # fmt: skip
+            else:
+                schedule = _C.make_schedule(
+                    self.kind, self.stages, self.workers, microbatches, checkpoint
+                )
             return schedule, recomputed(schedule)
 
         return self._get(("step", microbatches, checkpoint), build)  # type: ignore[no-any-return]

@@ -211,6 +211,25 @@ class Stage:
         with self.cell.streams.on(self.index), torch.enable_grad():
             torch.autograd.backward(roots, grads, inputs=list(params.values()))
 
+    # -- communication: run on the process's communication worker --------------------------
+
+    def send_forward(self, m: int) -> None:
+        self.step.transport.post(ACTIVATION, self.index, m)
+
+    def recv_forward(self, m: int) -> None:
+        self.step.transport.fetch(ACTIVATION, self.index, m)
+
+    def send_backward(self, m: int) -> None:
+        self.step.transport.post(GRADIENT, self.index, m)
+
+    def recv_backward(self, m: int) -> None:
+        self.step.transport.fetch(GRADIENT, self.index, m)
+
+    def reduce_grad(self, m: int) -> None:
+        """The stage's gradients summed over the data-parallel replicas (after its last
+        backward; `m` is 0)."""
+        self.step.pipeline.reduce_gradients(self.index)
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _run(self, value: Any, m: int, **kwargs: Any) -> Value:

@@ -13,7 +13,7 @@ from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.randomness import draw_step_seed
 from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.stage import Stage
-from gpipe_fast.transport import ACTIVATION, GRADIENT, LocalTransport
+from gpipe_fast.transport import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
     from gpipe_fast.pipeline import Pipeline
@@ -67,13 +67,13 @@ class StepContext:
         self.split = split
         self.seed = draw_step_seed() if pipeline.may_draw_random() else 0
         self.autocast = AutocastState.capture()
-        self.transport = LocalTransport(pipeline.streams, pipeline.devices)
+        self.transport = pipeline.make_transport()
         # Whether the input of stage k can need a gradient: something before it learns.
         upstream = any(input_needs_grad)
         self.needs_input_grad = []
-        for cell in pipeline.cells:
+        for learns in pipeline.learns:
             self.needs_input_grad.append(upstream)
-            upstream = upstream or (track and cell.learns)
+            upstream = upstream or (track and learns)
         self.input_grads: list[Any] = [None] * count
         # Filled by train_step: the loss function, targets per micro-batch, their weights.
         self.loss_fn: LossFn | None = None
@@ -116,25 +116,30 @@ class Step:
         checkpointed: Sequence[Sequence[bool]],
         track: bool,
         *,
+        count: int | None = None,
         split: bool = False,
     ) -> None:
+        """`microbatches`: the input's, when this process runs cell 0 (else empty, and
+        `count` says how many there are)."""
         self.pipeline = pipeline
-        self.count = len(microbatches)
-        self.first_input = microbatches[0]
+        self.count = len(microbatches) if count is None else count
+        self.first_input = microbatches[0] if microbatches else None
         self.track = track
         self.checkpointed = checkpointed
         self.context = StepContext(
             pipeline, self.count, input_needs_grad, checkpointed, track, split
         )
         cells = pipeline.cells
+        # One Stage per cell of this process (None: a cell of another process).
         self.stages = [
-            Stage(cell, self.context, last=k == len(cells) - 1) for k, cell in enumerate(cells)
+            None if cell is None else Stage(cell, self.context, last=k == len(cells) - 1)
+            for k, cell in enumerate(cells)
         ]
         # The dispatch table: handlers[action id][stage] is that stage's method for it.
         self.handlers = [
             [
-                getattr(stage, name, None) or _missing_action(name, stage.index)
-                for stage in self.stages
+                getattr(stage, name, None) or _missing_action(name, k)
+                for k, stage in enumerate(self.stages)
             ]
             for name in ACTIONS
         ]
@@ -152,6 +157,12 @@ class Step:
     def input_needs_grad(self) -> list[bool]:
         return self.context.input_needs_grad
 
+    def last_stage(self) -> Stage:
+        """The last cell's stage (pipe(x) runs every cell in this process)."""
+        last = self.stages[-1]
+        assert last is not None, "the last cell runs in another process"
+        return last
+
     # -- the executor's callback: runs on the stage's worker thread ------------------------
 
     def run_task(self, action: int, stage: int, microbatch: int) -> None:
@@ -159,8 +170,11 @@ class Step:
             self.handlers[action][stage](microbatch)
         except BaseException as error:
             owner = self.stages[stage]
-            annotate(error, stage, microbatch, ACTIONS[action], copying=owner.copying)
-            owner.copying = False
+            copying = owner is not None and owner.copying
+            annotate(error, stage, microbatch, ACTIONS[action], copying=copying)
+            if owner is not None:
+                owner.copying = False
+            self.pipeline.task_failed(error)
             raise
 
     # -- phases: on the caller's thread ----------------------------------------------------
@@ -172,7 +186,7 @@ class Step:
         # Every micro-batch is a slice of the same input tensors: one is enough for devices.
         pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
         pipeline.execute(schedule, self, "forward")
-        last = self.stages[-1]
+        last = self.last_stage()
         outputs = list(last.outputs)
         if not self.track:
             last.outputs = [None] * self.count
@@ -199,15 +213,27 @@ class Step:
         pipeline.streams.cells_wait_caller()
         pipeline.execute(schedule, self, "backward")
         pipeline.streams.join_caller(pipeline.devices[0])
+        pipeline.after_backward()
         return self.context.input_grads
 
     def train(self, schedule: Any) -> Tensor:
         """Every task of a training step (forward, loss, backward) in one run of `schedule`;
         the step's loss."""
         pipeline = self.pipeline
-        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
+        if self.first_input is not None:
+            pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
+        expect = getattr(self.context.transport, "expect", None)
+        if expect is not None:  # across processes: every receive's header, posted ahead
+            flows = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
+            expect([
+                (flows[ACTIONS[t.action]], t.stage, t.microbatch)
+                for t in schedule.tasks
+                if ACTIONS[t.action] in flows
+            ])  # fmt: skip
         pipeline.execute(schedule, self, "step")
-        pipeline.streams.join_caller(pipeline.devices[-1])
-        pipeline.streams.join_caller(pipeline.devices[0])
+        for device in {pipeline.devices[k] for k, stage in enumerate(self.stages) if stage}:
+            pipeline.streams.join_caller(device)
         losses = [loss for loss in self.context.losses if loss is not None]
+        if not losses:
+            return None  # type: ignore[return-value]  # the last cell runs in another process
         return torch.stack(losses).sum() if len(losses) > 1 else losses[0]

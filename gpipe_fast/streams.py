@@ -57,6 +57,15 @@ class CellStreams:
                 self.copier.enable_peer_access(before.index, after.index)
                 self.copier.enable_peer_access(after.index, before.index)
 
+    def communication_stream(self) -> Any:
+        """The communication worker's stream: a stream of its own on the first worker's CUDA
+        device (communication kernels overlap with compute there), a host stream on CPU."""
+        device = self.worker_devices[min(self.worker_devices)]
+        if device.type != "cuda":
+            return _C.Stream(-1, 0)
+        self.comm_stream = torch.cuda.Stream(device)
+        return native_stream(self.comm_stream)
+
     def native(self) -> list[Any]:
         """Each worker's stream as plain facts for the executor (device -1: a host stream)."""
         return [_C.Stream(-1, 0) if s is None else native_stream(s) for s in self.worker_streams]

@@ -27,7 +27,16 @@ _LETTER = {
     "backward_weight": "W",
     "loss": "L",
     "copy": "C",
+    "send_forward": "sF",
+    "recv_forward": "rF",
+    "send_backward": "sB",
+    "recv_backward": "rB",
+    "reduce_grad": "AR",
 }
+# What communication workers do: not the compute a bubble is measured against.
+COMMUNICATION = frozenset(
+    {"send_forward", "recv_forward", "send_backward", "recv_backward", "reduce_grad"}
+)
 _COLOUR = {
     "forward": "#4c72b0",
     "recompute": "#dd8452",
@@ -36,6 +45,11 @@ _COLOUR = {
     "backward_weight": "#8fd19e",
     "loss": "#c44e52",
     "copy": "#8172b3",
+    "send_forward": "#8c8c8c",
+    "recv_forward": "#b3b3b3",
+    "send_backward": "#6e6e6e",
+    "recv_backward": "#a0a0a0",
+    "reduce_grad": "#8172b3",
 }
 _OTHER_COLOUR = "#937860"
 
@@ -113,6 +127,9 @@ class Timeline:
     clocks: tuple[Clock, ...] = ()
     workers: int = 0
     schedule: str = "gpipe"
+    # Names of the picture's rows, when the workers are not named by their cells (the ranks'
+    # compute and communication workers of a multi-process step).
+    row_names: tuple[str, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -192,8 +209,14 @@ class Timeline:
             raise ValueError(f"worker must be in [0, {self.rows}), got {worker}")
         return sum(s.duration_s for s in self.spans if s.row == worker and s.kind != "copy")
 
+    def compute_rows(self) -> list[int]:
+        """The workers that compute (not those that only communicate)."""
+        rows = sorted({s.row for s in self.spans if s.kind not in COMMUNICATION})
+        return rows or list(range(self.rows))
+
     def bubble(self) -> float:
-        """Measured idle share of worker-time: ``1 - sum_w busy(w) / (workers * makespan)``.
+        """Measured idle share of the computing workers' time:
+        ``1 - sum_w busy(w) / (workers * makespan)`` over them.
 
         The phases are concatenated: each phase counts from its first task's start to its
         last task's end, and the gap between ``pipe(x)`` returning and the backward's first
@@ -203,8 +226,9 @@ class Timeline:
         makespan = self.makespan
         if makespan <= 0:
             return 0.0
-        busy = sum(self.busy(worker) for worker in range(self.rows))
-        return max(0.0, 1.0 - busy / (self.rows * makespan))
+        rows = self.compute_rows()
+        busy = sum(self.busy(worker) for worker in rows)
+        return max(0.0, 1.0 - busy / (len(rows) * makespan))
 
     @property
     def ideal_bubble(self) -> float:
@@ -212,7 +236,7 @@ class Timeline:
         forward): (K-1)/(M+K-1) for fill-drain and 1F1B; (D-1)/(VM+D-1) interleaving V
         stages on each of D workers; (K-1)/(3M+K-1) for ZB-H1 (input and weight gradients
         each as costly as a forward)."""
-        k, m = self.rows, self.microbatches
+        k, m = len(self.compute_rows()), self.microbatches
         if self.schedule == "zero_bubble":
             return (k - 1) / (3 * m + k - 1)
         v = self.cells // max(k, 1)
@@ -225,6 +249,8 @@ class Timeline:
         return f"{_LETTER.get(span.kind, span.kind[:1].upper())}{span.cell}.{span.microbatch}"
 
     def row_name(self, worker: int) -> str:
+        if self.row_names:
+            return self.row_names[worker]
         stages = sorted({s.cell for s in self.spans if s.row == worker}) or [worker]
         if self.rows == self.cells:
             return f"cell {stages[0]}"

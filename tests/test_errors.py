@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -37,10 +39,19 @@ def test_module_must_be_sequential() -> None:
         gf.GPipe(nn.Sequential(), [1])
 
 
-def test_parameter_shared_by_two_cells_is_rejected() -> None:
-    shared = nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="shared"):
-        gf.GPipe(nn.Sequential(shared, nn.ReLU(), shared), [2, 1], devices=["cpu", "cpu"])
+def test_a_layer_used_by_two_cells_gets_the_gradient_of_both_uses() -> None:
+    # Once refused; now a tie (gpipe_fast.tied): the cells on one device share the tensor.
+    shared = nn.Linear(3, 3).double()
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    reference(x).sum().backward()
+    pipe = gf.GPipe(model, [2, 1], devices=["cpu", "cpu"], chunks=2)
+    try:
+        pipe(x).sum().backward()
+    finally:
+        pipe.close()
+    torch.testing.assert_close(shared.weight.grad, reference[0].weight.grad)
 
 
 class _Fail(nn.Module):

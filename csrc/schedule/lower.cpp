@@ -48,25 +48,32 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
   for (const Task& task : plain.tasks()) cost.push_back(unit_cost(task.action));
   const SimulatedTimeline timeline = simulate(plain, cost);
 
-  // Each rank's communication tasks with their order keys.
+  // Each rank's receives and reductions with their order keys; sends follow their producer
+  // on its compute worker (a send is posted, never waited for, so it never stalls compute
+  // and never waits behind a receive).
   std::vector<std::vector<std::pair<CommKey, TaskKey>>> comm(static_cast<std::size_t>(ranks));
+  std::map<std::pair<int, int>, TaskKey> send_after;  // (worker, position) -> its send
   std::map<int, double> last_gradient;  // stage -> when its last gradient task ends
+  std::vector<int> position(plain.tasks().size(), 0);  // in its worker's order
+  for (int w = 0; w < compute; ++w) {
+    const auto& order = plain.order(w);
+    for (std::size_t i = 0; i < order.size(); ++i) position[static_cast<std::size_t>(order[i])] = static_cast<int>(i);
+  }
   for (std::size_t id = 0; id < plain.tasks().size(); ++id) {
     const Task& task = plain.tasks()[id];
     const double at = timeline.end[id];
     const int s = task.stage;
     const int m = task.microbatch;
     const int here = rank_of_stage(s);
+    const std::pair<int, int> after{task.worker, position[id]};
     if (task.action == Forward && s + 1 < stages && rank_of_stage(s + 1) != here) {
-      const CommKey key{at, 0, s, m};
-      comm[static_cast<std::size_t>(here)].push_back({key, {SendForward, s, m}});
-      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({key, {RecvForward, s + 1, m}});
+      send_after[after] = {SendForward, s, m};
+      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({CommKey{at, 0, s, m}, {RecvForward, s + 1, m}});
     }
     const bool gradient = task.action == Backward || task.action == BackwardInput;
     if (gradient && s > 0 && rank_of_stage(s - 1) != here) {
-      const CommKey key{at, 1, s - 1, m};
-      comm[static_cast<std::size_t>(here)].push_back({key, {SendBackward, s, m}});
-      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({key, {RecvBackward, s - 1, m}});
+      send_after[after] = {SendBackward, s, m};
+      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({CommKey{at, 1, s - 1, m}, {RecvBackward, s - 1, m}});
     }
     if (gradient || task.action == BackwardWeight) {
       double& last = last_gradient[s];
@@ -80,7 +87,15 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
   }
 
   Lowered lowered;
-  lowered.program = program;
+  for (int worker = 0; worker < compute; ++worker) {
+    auto& out = lowered.program.emplace_back();
+    const auto& order = program[static_cast<std::size_t>(worker)];
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      out.push_back(order[i]);
+      const auto send = send_after.find({worker, static_cast<int>(i)});
+      if (send != send_after.end()) out.push_back(send->second);
+    }
+  }
   lowered.compute_workers = compute;
   lowered.stage_worker = plain.stage_workers();
   lowered.worker_rank = worker_rank;
@@ -88,9 +103,16 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     auto& tasks = comm[static_cast<std::size_t>(rank)];
     std::stable_sort(tasks.begin(), tasks.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
-    auto& order = lowered.program.emplace_back();
-    for (const auto& [key, task] : tasks) order.push_back(task);
-    lowered.worker_rank.push_back(rank);
+    // Two communication workers: activations received on one, gradients (and reductions)
+    // on the other, so that neither direction waits behind the other's late message.
+    std::vector<TaskKey> activations;
+    std::vector<TaskKey> gradients;
+    for (const auto& [key, task] : tasks) {
+      (task.action == RecvForward ? activations : gradients).push_back(task);
+    }
+    lowered.program.push_back(std::move(activations));
+    lowered.program.push_back(std::move(gradients));
+    lowered.worker_rank.insert(lowered.worker_rank.end(), 2, rank);
   }
   return lowered;
 }
@@ -101,7 +123,7 @@ Schedule link_all(const Lowered& lowered, int stages, int microbatches) {
 
 Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int rank) {
   GF_EXPECTS(rank >= 0, "rank must be >= 0, got " + std::to_string(rank));
-  // Local numbering: the rank's compute workers in order, then its communication worker.
+  // Local numbering: the rank's compute workers in order, then its communication workers.
   std::vector<int> local(lowered.program.size(), -1);
   Program program;
   for (std::size_t w = 0; w < lowered.program.size(); ++w) {

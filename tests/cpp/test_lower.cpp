@@ -56,16 +56,21 @@ std::vector<int> ranks_of(int workers, int ranks) {
 TEST(lower_1f1b_on_two_ranks) {
   const Lowered l = gpipe_fast::lower(gpipe_fast::one_f_one_b_program(2, 2), 2, 2, {}, {0, 1});
   CHECK_EQ(l.compute_workers, 2);
-  CHECK(l.worker_rank == (std::vector<int>{0, 1, 0, 1}));
-  // Rank 0 sends its activations and receives their gradients, in the order data is ready.
-  CHECK_EQ(show(l.program[2]), std::string("sF0.0 sF0.1 rB0.0 rB0.1"));
-  CHECK_EQ(show(l.program[3]), std::string("rF1.0 rF1.1 sB1.0 sB1.1"));
+  CHECK(l.worker_rank == (std::vector<int>{0, 1, 0, 0, 1, 1}));
+  // Each send follows its producer on the compute worker; receives run on the
+  // communication worker in the order their data is ready.
+  CHECK_EQ(show(l.program[0]), std::string("F0.0 sF0.0 F0.1 sF0.1 B0.0 B0.1"));
+  CHECK_EQ(show(l.program[1]), std::string("F1.0 L1.0 B1.0 sB1.0 F1.1 L1.1 B1.1 sB1.1"));
+  CHECK_EQ(show(l.program[2]), std::string(""));  // rank 0 receives no activation
+  CHECK_EQ(show(l.program[3]), std::string("rB0.0 rB0.1"));
+  CHECK_EQ(show(l.program[4]), std::string("rF1.0 rF1.1"));
+  CHECK_EQ(show(l.program[5]), std::string(""));
   const Schedule all = gpipe_fast::link_all(l, 2, 2);
   all.validate();
-  // Rank 1 alone: its compute worker 0, its communication worker 1; stage 0 elsewhere.
+  // Rank 1 alone: its compute worker 0, its communication workers 1 and 2; stage 0 elsewhere.
   const Schedule one = gpipe_fast::link_rank(l, 2, 2, 1);
   CHECK(one.stage_workers() == (std::vector<int>{-1, 0}));
-  CHECK_EQ(one.workers(), 2);
+  CHECK_EQ(one.workers(), 3);
   one.validate();
   for (const auto& task : one.tasks()) CHECK_EQ(task.stage, 1);
 }
@@ -73,12 +78,12 @@ TEST(lower_1f1b_on_two_ranks) {
 TEST(lower_adds_a_gradient_reduction_per_stage_after_its_last_backward) {
   const Lowered l =
       gpipe_fast::lower(gpipe_fast::zero_bubble_program(2, 3), 2, 3, {}, {0, 1}, true);
-  CHECK_EQ(show(l.program[2]).substr(show(l.program[2]).size() - 5), std::string("AR0.0"));
-  CHECK_EQ(show(l.program[3]).substr(show(l.program[3]).size() - 5), std::string("AR1.0"));
+  CHECK_EQ(show(l.program[3]).substr(show(l.program[3]).size() - 5), std::string("AR0.0"));
+  CHECK_EQ(show(l.program[5]).substr(show(l.program[5]).size() - 5), std::string("AR1.0"));
   gpipe_fast::link_all(l, 2, 3).validate();
   // One process (data parallelism only): no sends, one reduction per stage.
   const Lowered local = gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {}, true);
-  CHECK_EQ(show(local.program[2]), std::string("AR1.0 AR0.0"));
+  CHECK_EQ(show(local.program[3]), std::string("AR1.0 AR0.0"));
   gpipe_fast::link_rank(local, 2, 2, 0).validate();
 }
 
@@ -111,24 +116,23 @@ TEST(lowered_schedules_never_deadlock_and_pairs_agree_on_order) {
     CHECK(gpipe_fast::dry_run(all).empty());
     all.validate();
     for (int rank = 0; rank < ranks; ++rank) gpipe_fast::link_rank(l, stages, microbatches, rank).validate();
-    // Between any two ranks, the transfers appear in the same order on both sides.
-    std::map<std::pair<int, int>, std::vector<std::tuple<int, int, int>>> seen;  // (me, peer)
-    for (int rank = 0; rank < ranks; ++rank) {
-      for (const TaskKey& k : l.program[static_cast<std::size_t>(l.compute_workers + rank)]) {
-        int peer = -1;
-        int boundary = -1;
-        int flow = -1;
-        if (k.action == action::SendForward) { peer = (k.stage + 1) % ranks; boundary = k.stage; flow = 0; }
-        if (k.action == action::RecvForward) { peer = (k.stage - 1) % ranks; boundary = k.stage - 1; flow = 0; }
-        if (k.action == action::SendBackward) { peer = (k.stage - 1) % ranks; boundary = k.stage - 1; flow = 1; }
-        if (k.action == action::RecvBackward) { peer = (k.stage + 1) % ranks; boundary = k.stage; flow = 1; }
-        if (peer >= 0) seen[{rank, peer}].push_back({flow, boundary, k.microbatch});
+    // From one rank to another, each flow's transfers (activations, gradients: each has a
+    // receiving worker of its own) are sent and received in the same order.
+    using Flow = std::tuple<int, int, int>;  // (from, to, flow)
+    std::map<Flow, std::vector<std::pair<int, int>>> sent;      // (boundary, micro-batch)
+    std::map<Flow, std::vector<std::pair<int, int>>> received;
+    for (std::size_t w = 0; w < l.program.size(); ++w) {
+      const int rank = l.worker_rank[w];
+      for (const TaskKey& k : l.program[w]) {
+        const int s = k.stage;
+        const int m = k.microbatch;
+        if (k.action == action::SendForward) sent[{rank, (s + 1) % ranks, 0}].push_back({s, m});
+        if (k.action == action::SendBackward) sent[{rank, (s - 1) % ranks, 1}].push_back({s - 1, m});
+        if (k.action == action::RecvForward) received[{(s - 1) % ranks, rank, 0}].push_back({s - 1, m});
+        if (k.action == action::RecvBackward) received[{(s + 1) % ranks, rank, 1}].push_back({s, m});
       }
     }
-    for (const auto& [pair, transfers] : seen) {
-      const auto mirror = seen[std::make_pair(pair.second, pair.first)];
-      CHECK(transfers == mirror);
-    }
+    CHECK(sent == received);
     ++checked;
   }
   CHECK_EQ(checked, 300);

@@ -1,0 +1,169 @@
+"""The demo across processes: `python -m gpipe_fast demo --processes P` trains the demo model with
+one cell per process, started here and joined by gloo over 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+import gpipe_fast as gf
+from gpipe_fast.timeline import TaskSpan, Timeline
+
+# Each process's workers: its compute worker (which also posts the sends) and the workers
+# receiving activations and gradients.
+_ROWS = ("compute", "receiving activations", "receiving gradients")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.processes)  # the cores are shared out by process
+    from gpipe_fast.demo import _INPUTS, _data, _model  # the single-process demo's workload
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.processes)
+    try:
+        torch.manual_seed(args.seed)
+        model = _model(args.width, args.depth, _INPUTS)  # the same weights on every rank
+        data = _data(args.steps, args.batch, torch.device("cpu"))
+        pipe = gf.GPipe(model, gf.balance_by_params(args.processes, model), chunks=args.chunks,
+                        checkpoint=args.checkpoint, schedule=args.schedule,
+                        pp_group=dist.group.WORLD)  # fmt: skip
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
+        losses, seconds = [], []
+        progress = tqdm(total=args.steps, desc="gpipe_fast", unit="step", disable=rank != 0)
+        for x, y in data:
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(pipe.train_step(x, y, nn.functional.mse_loss).item())
+            optimizer.step()
+            seconds.append(time.perf_counter() - start)
+            progress.update(1)
+            progress.set_postfix(loss=f"{losses[-1]:.4f}")
+        progress.close()
+        pipe.record_timeline()
+        pipe.train_step(*data[-1], nn.functional.mse_loss)  # one more step, recorded
+        timeline = pipe.timeline()
+        pipe.close()
+        gathered: list[Any] = [None] * args.processes
+        dist.all_gather_object(gathered, (timeline.spans, timeline.microbatches))
+        if rank == 0:
+            results.put(
+                {
+                    "losses": losses,
+                    "seconds": seconds,
+                    "spans": [spans for spans, _ in gathered],
+                    "microbatches": gathered[0][1],
+                    "threads": pipe.threads_per_cell,
+                    "balance": pipe.balance,
+                }
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def merged_timeline(spans_by_rank: list[list[TaskSpan]], cells: int, microbatches: int,
+                    schedule: str) -> Timeline:  # fmt: skip
+    """One timeline of every rank's step: rank r's workers become rows 3r, 3r + 1 and 3r + 2
+    (the ranks share the host's steady clock)."""
+    rows_per_rank = len(_ROWS)
+    spans = [
+        replace(span, worker=rows_per_rank * rank + span.row)
+        for rank, ranks_spans in enumerate(spans_by_rank)
+        for span in ranks_spans
+    ]
+    origin = min((s.start_s for s in spans), default=0.0)
+    spans = [replace(s, start_s=s.start_s - origin, end_s=s.end_s - origin) for s in spans]
+    rows = tuple(f"rank {r} {what}" for r in range(len(spans_by_rank)) for what in _ROWS)
+    spans.sort(key=lambda s: s.start_s)
+    return Timeline(cells=cells, microbatches=microbatches, spans=spans, workers=len(rows),
+                    schedule=schedule, row_names=rows)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Starts the processes, waits for them, reports what rank 0 saw; 0 when the loss fell."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = _free_port()
+    print(
+        f"gpipe_fast demo across {args.processes} processes (gloo over 127.0.0.1, one cell "
+        f"each), schedule {args.schedule!r}, M={args.chunks}, checkpoint={args.checkpoint!r}; "
+        f"on a cluster: torchrun --nproc-per-node {args.processes} your_script.py"
+    )
+    processes = [
+        context.Process(target=_worker, args=(rank, args, port, results))
+        for rank in range(args.processes)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    if any(process.exitcode != 0 for process in processes):
+        codes = [process.exitcode for process in processes]
+        print(f"a process failed (exit codes {codes}); see its error above")
+        return 2
+    result = results.get()
+    losses, seconds = result["losses"], result["seconds"][1:] or result["seconds"]
+    window = max(1, min(10, len(losses) // 2))
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'}")
+    print(f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)")
+    print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
+    timeline = merged_timeline(result["spans"], len(result["balance"]), result["microbatches"],
+                               args.schedule)  # fmt: skip
+    print(
+        f"one step: makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble():.1%} "
+        f"(ideal {timeline.ideal_bubble:.1%}); per rank: "
+        + "; ".join(_rank_line(timeline, r) for r in range(args.processes))
+    )
+    _write(timeline, args.out)
+    return 0 if last < first else 1
+
+
+def communication_ms(timeline: Timeline, rank: int) -> tuple[float, float]:
+    """(posting sends, receiving with the wait for the data) of one rank's workers, in ms."""
+    rows = range(len(_ROWS) * rank, len(_ROWS) * (rank + 1))
+    spans = [s for s in timeline.spans if s.row in rows]
+    sends = sum(s.duration_s for s in spans if s.kind.startswith("send"))
+    receives = sum(s.duration_s for s in spans if s.kind.startswith("recv"))
+    return sends * 1e3, receives * 1e3
+
+
+def _rank_line(timeline: Timeline, rank: int) -> str:
+    sends, receives = communication_ms(timeline, rank)
+    compute = timeline.busy(len(_ROWS) * rank) - sends / 1e3  # the sends run on that worker
+    return (
+        f"rank {rank} computes {compute * 1e3:.1f} ms, posts sends {sends:.1f} ms, receives "
+        f"{receives:.1f} ms (waiting for the data included)"
+    )
+
+
+def _write(timeline: Timeline, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "timeline.trace.json"
+    timeline.to_chrome_trace(trace)
+    print(f"timeline trace: {trace} (every rank's workers)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
+        return
+    picture = out / "timeline.png"
+    timeline.plot(picture)
+    print(f"timeline picture: {picture}")

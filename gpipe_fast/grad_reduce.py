@@ -1,0 +1,48 @@
+"""Gradients summed over processes: a stage's over data parallelism, in buckets; tied weights'."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from gpipe_fast.guard import Guard
+
+BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
+
+
+def _buckets(params: Sequence[Tensor], limit: int) -> list[list[Tensor]]:
+    """Parameters grouped by dtype and device, each group cut at `limit` bytes."""
+    groups: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
+    for p in params:
+        buckets = groups.setdefault((p.dtype, p.device), [[]])
+        size = sum(q.numel() * q.element_size() for q in buckets[-1])
+        if buckets[-1] and size + p.numel() * p.element_size() > limit:
+            buckets.append([])
+        buckets[-1].append(p)
+    return [bucket for buckets in groups.values() for bucket in buckets]
+
+
+def sum_gradients(
+    params: Sequence[Tensor], group: Any, guard: Guard, what: str, limit: int = BUCKET_BYTES
+) -> None:
+    """Replaces each parameter's gradient by its sum over `group` (a missing gradient counts
+    as zeros, so every process reduces the same tensors): all buckets are posted at once,
+    then waited for."""
+    learning = [p for p in params if p.requires_grad]
+    for p in learning:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    pending = []
+    for bucket in _buckets(learning, limit):
+        flat = _flatten_dense_tensors([p.grad for p in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, request in pending:
+        guard.wait(request, what)
+        grads = [p.grad for p in bucket if p.grad is not None]
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(summed)

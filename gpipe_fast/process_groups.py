@@ -1,0 +1,75 @@
+"""What a train_step adds across processes: agreeing on the batch, and the loss every rank gets."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import distributed_c10d as c10d
+
+from gpipe_fast.guard import Guard, PeerFailure
+from gpipe_fast.layout import ProcessLayout
+from gpipe_fast.wire import DTYPES
+
+# Pipes are built in the same order on every rank: their number keys their store entries.
+_PIPES = itertools.count()
+
+FAILED_STEP_ADVICE = (
+    "after a failed step the process group may still hold messages of that step: destroy it "
+    "(torch.distributed.destroy_process_group()) and restart the job from its last checkpoint "
+    "(torchrun --max-restarts does the restart)"
+)
+
+
+class ProcessGroups:
+    """A pipe's steps across processes: the guard of their waits and what the ranks agree on."""
+
+    def __init__(self, layout: ProcessLayout, device: torch.device, timeout_s: float) -> None:
+        self.layout = layout
+        self.device = device
+        store = c10d._get_default_store()
+        self.guard = Guard(store, f"gpipe_fast/pipe{next(_PIPES)}", dist.get_rank(), timeout_s)
+
+    def check_usable(self) -> None:
+        """Refuses a step after one failed anywhere (see FAILED_STEP_ADVICE)."""
+        message = self.guard.failure()
+        if message is not None:
+            raise PeerFailure(
+                f"gpipe_fast: an earlier step failed on {message}; {FAILED_STEP_ADVICE}"
+            )
+
+    def batch(self, local: int | None) -> tuple[int, int]:
+        """(this pipeline's batch size, the batch over every data-parallel replica): the rank
+        of cell 0 tells the others its input's size; replicas add theirs up."""
+        size = torch.tensor([local or 0], dtype=torch.int64, device=self.device)
+        if self.layout.multi_process:
+            source = self.layout.global_rank(0)
+            request = dist.broadcast(size, source, group=self.layout.pp_group, async_op=True)
+            self.guard.wait(request, "the batch size", source)
+        total = size.clone()
+        if self.layout.dp_group is not None:
+            request = dist.all_reduce(total, group=self.layout.dp_group, async_op=True)
+            self.guard.wait(request, "the replicas' batch sizes")
+        return int(size.item()), int(total.item())
+
+    def loss(self, local: Tensor | None) -> Tensor:
+        """The loss of the whole batch on every rank, in the last cell's dtype: the last
+        cell's rank tells the others; replicas' losses (already weighted by their share) add
+        up."""
+        # [loss, dtype code] in float64: one message carries both.
+        message = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if local is not None:
+            message[0] = local.detach().to(torch.float64)
+            message[1] = float(DTYPES.index(local.dtype))
+        if self.layout.multi_process:
+            source = self.layout.global_rank(self.layout.stages - 1)
+            request = dist.broadcast(message, source, group=self.layout.pp_group, async_op=True)
+            self.guard.wait(request, "the loss", source)
+        code = int(message[1].item())
+        if self.layout.dp_group is not None:
+            message[1] = 0.0
+            request = dist.all_reduce(message, group=self.layout.dp_group, async_op=True)
+            self.guard.wait(request, "the replicas' losses")
+        return message[0].to(DTYPES[code])

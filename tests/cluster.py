@@ -1,0 +1,174 @@
+"""Persistent worker processes joined by gloo, reused across test cases (a spawn costs seconds).
+
+Each worker runs `dist_cases.<name>(rank, world, **kwargs)` on request and replies with plain
+Python data (or the error's type, message and traceback). Every wait on a reply is bounded,
+so a hang fails the test instead of the run; a worker that dies is seen within a second.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+REPLY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Reply:
+    rank: int
+    value: Any = None
+    error_type: str | None = None  # the exception's class name when the case raised
+    error: str = ""
+    traceback: str = ""
+    seconds: float = 0.0  # how long the case ran on that rank
+
+    @property
+    def failed(self) -> bool:
+        return self.error_type is not None
+
+
+def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import dist_cases
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    while True:
+        name, kwargs = requests.get()
+        if name == "stop":
+            break
+        if name == "reset":  # a fresh process group: after a failed step (see the README)
+            dist.destroy_process_group()
+            dist.init_process_group(
+                "gloo", init_method=f"file://{kwargs['path']}", rank=rank, world_size=world
+            )
+            replies.put(Reply(rank))
+            continue
+        start = time.monotonic()
+        try:
+            value = getattr(dist_cases, name)(rank, world, **kwargs)
+            replies.put(Reply(rank, value, seconds=time.monotonic() - start))
+        except BaseException as error:
+            replies.put(
+                Reply(
+                    rank,
+                    error_type=type(error).__name__,
+                    error=str(error),
+                    traceback=traceback.format_exc(),
+                    seconds=time.monotonic() - start,
+                )
+            )
+    dist.destroy_process_group()
+
+
+class Cluster:
+    """`world` workers; run(name, **kwargs) runs a case on all and returns their replies."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.folder = tempfile.mkdtemp(prefix="gpipe-cluster-")
+        self.resets = 0
+        context = mp.get_context("spawn")
+        self.requests = [context.Queue() for _ in range(world)]
+        self.replies = context.Queue()
+        tests = os.path.dirname(os.path.abspath(__file__))
+        previous = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = tests + (os.pathsep + previous if previous else "")
+        try:
+            self.processes = [
+                context.Process(
+                    target=_serve,
+                    args=(
+                        r,
+                        world,
+                        os.path.join(self.folder, "store0"),
+                        self.requests[r],
+                        self.replies,
+                    ),
+                    daemon=True,
+                )
+                for r in range(world)
+            ]
+            for process in self.processes:
+                process.start()
+        finally:
+            if previous is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = previous
+
+    def run(self, name: str, timeout_s: float = REPLY_TIMEOUT_S, **kwargs: Any) -> list[Reply]:
+        """Runs the case on every worker; replies in rank order. Raises AssertionError when
+        a worker dies or does not reply within `timeout_s`."""
+        for q in self.requests:
+            q.put((name, kwargs))
+        return self._collect(name, timeout_s)
+
+    def _collect(self, name: str, timeout_s: float, expect: set[int] | None = None) -> list[Reply]:
+        expect = set(range(self.world)) if expect is None else expect
+        replies: dict[int, Reply] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < len(expect):
+            try:
+                reply = self.replies.get(timeout=1.0)
+                replies[reply.rank] = reply
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r in expect - set(replies) if not self.processes[r].is_alive()]
+            assert not dead, f"{name}: worker(s) {dead} died without replying"
+            assert time.monotonic() < deadline, (
+                f"{name}: no reply from rank(s) {sorted(expect - set(replies))} "
+                f"within {timeout_s} s (a hang)"
+            )
+        return [replies[r] for r in sorted(replies)]
+
+    def collect_survivors(self, name: str, survivors: set[int], timeout_s: float) -> list[Reply]:
+        """The replies of `survivors` after others were killed on purpose."""
+        return self._collect(name, timeout_s, survivors)
+
+    def reset(self) -> None:
+        """A fresh process group on every worker (after a failed step)."""
+        self.resets += 1
+        path = os.path.join(self.folder, f"store{self.resets}")
+        for q in self.requests:
+            q.put(("reset", {"path": path}))
+        replies = self._collect("reset", 60.0)
+        assert all(not r.failed for r in replies), replies
+
+    def close(self) -> None:
+        for q, process in zip(self.requests, self.processes, strict=True):
+            if process.is_alive():
+                q.put(("stop", {}))
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+
+def raise_reply(reply: Reply) -> None:
+    """Fails the test with a worker's own traceback."""
+    raise AssertionError(
+        f"rank {reply.rank} raised {reply.error_type}: {reply.error}\n{reply.traceback}"
+    )
+
+
+def values(replies: list[Reply]) -> list[Any]:
+    for reply in replies:
+        if reply.failed:
+            raise_reply(reply)
+    return [reply.value for reply in replies]
+
+
+__all__ = ["Cluster", "Reply", "raise_reply", "traceback", "values"]

@@ -1,0 +1,206 @@
+"""Cases the cluster's workers run (tests/cluster.py): each rank's part of a multi-process test.
+
+Every case returns plain Python data: tensors become lists, so nothing depends on shared
+memory outliving the worker's reply.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import gpipe_fast as gf
+
+WIDTH = 5
+VOCAB = 11
+
+
+def model(layers: int, seed: int = 0) -> nn.Sequential:
+    """Linear+Tanh layers in float64, the same weights on every rank and in the test."""
+    torch.manual_seed(seed)
+    modules: list[nn.Module] = []
+    for _ in range(layers):
+        modules += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*modules).double()
+
+
+def tied_model() -> nn.Sequential:
+    """A language model's shape: the head's weight is the embedding's."""
+    torch.manual_seed(3)
+    embed = nn.Embedding(VOCAB, WIDTH + 1)
+    head = nn.Linear(WIDTH + 1, VOCAB, bias=False)
+    head.weight = embed.weight
+    return nn.Sequential(embed, nn.Linear(WIDTH + 1, WIDTH + 1), nn.Tanh(), head).double()
+
+
+def tokens(size: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, VOCAB, (size,), generator=generator),
+        torch.randint(0, VOCAB, (size,), generator=generator),
+    )
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, target)
+
+
+def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, WIDTH, generator=generator, dtype=torch.float64)
+    y = torch.randn(size, WIDTH, generator=generator, dtype=torch.float64)
+    return x, y
+
+
+def groups(pp: int, dp: int) -> tuple[Any, Any, int]:
+    """(pp_group, dp_group, this rank's replica) for a (dp, pp) mesh over the world."""
+    if dp == 1:
+        return dist.group.WORLD, None, 0
+    if pp == 1:
+        return None, dist.group.WORLD, dist.get_rank()
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"].get_group(), mesh.get_coordinate()[0]
+
+
+def shard(x: torch.Tensor, replica: int, replicas: int) -> torch.Tensor:
+    """Replica r's contiguous share of the batch (the first ones one row larger)."""
+    return x.tensor_split(replicas)[replica]
+
+
+def grads_by_name(pipe: gf.GPipe) -> dict[str, list[Any]]:
+    """This rank's gradients under the model's own keys."""
+    return {
+        name: tensor.grad.tolist()
+        for name, tensor in pipe.state_dict(keep_vars=True).items()
+        if tensor.grad is not None
+    }
+
+
+def train(
+    rank: int,
+    world: int,
+    *,
+    schedule: str,
+    layers: int,
+    balance: list[int],
+    chunks: int,
+    checkpoint: str,
+    batches: list[int],
+    pp: int,
+    dp: int,
+) -> dict[str, Any]:
+    """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients."""
+    pp_group, dp_group, replica = groups(pp, dp)
+    pipe = gf.GPipe(
+        model(layers), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        pp_group=pp_group, dp_group=dp_group, timeout=60,
+    )  # fmt: skip
+    steps = []
+    try:
+        for step, size in enumerate(batches):
+            x, y = batch(size, seed=100 + step)
+            pipe.zero_grad(set_to_none=True)
+            loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
+                                   nn.functional.mse_loss)  # fmt: skip
+            steps.append(
+                {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe)}
+            )
+    finally:
+        pipe.close()
+    return {"steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell}
+
+
+class _Fail(nn.Module):
+    """On one rank, raises in the forward of micro-batch 2 (forwards run in micro-batch
+    order on a stage) or, with kill, ends the process there."""
+
+    def __init__(self, failing_rank: int, kill: bool) -> None:
+        super().__init__()
+        self.failing_rank = failing_rank
+        self.kill = kill
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.failing_rank and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 3:
+                if self.kill:
+                    os._exit(3)
+                raise KeyError(f"planted on rank {self.failing_rank}")
+        return x
+
+
+def fail(rank: int, world: int, *, failing_rank: int, kill: bool = False) -> dict[str, Any]:
+    """One rank's layer raises (or, with kill, its process dies) in a forward; the others
+    must stop, not hang."""
+    layers: list[nn.Module] = []
+    for _ in range(world):
+        layers += [nn.Linear(WIDTH, WIDTH), _Fail(failing_rank, kill)]
+    pipe = gf.GPipe(nn.Sequential(*layers).double(), [2] * world, chunks=4, schedule="1f1b",
+                    pp_group=dist.group.WORLD, timeout=20)  # fmt: skip
+    x, y = batch(8, seed=1)
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    finally:
+        pipe.close()
+    return {"finished": True}
+
+
+def tied(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
+    """The tied language model with its embedding on rank 0 and head on rank 1: each rank's
+    copy of the shared weight ends the step with the whole gradient."""
+    cells = 4 if schedule == "interleaved" else 2
+    balance = [1, 1, 1, 1] if cells == 4 else [1, 3]
+    pipe = gf.GPipe(tied_model(), balance, chunks=3, schedule=schedule,
+                    pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    x, y = tokens(12)
+    try:
+        loss = pipe.train_step(x, y, cross_entropy)
+    finally:
+        pipe.close()
+    return {"loss": loss.item(), "grads": grads_by_name(pipe)}
+
+
+def meta(rank: int, world: int) -> dict[str, Any]:
+    """The model built on the meta device: each rank materialises only its own cells."""
+    with torch.device("meta"):
+        net = model(4)
+    torch.manual_seed(10 + rank)  # ranks initialise their cells independently
+    pipe = gf.GPipe(net, [4, 4], chunks=2, pp_group=dist.group.WORLD, timeout=60)
+    on_meta = sorted(name for name, p in net.named_parameters() if p.is_meta)
+    x, y = batch(6, seed=7)
+    try:
+        loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    finally:
+        pipe.close()
+    state = {name: tensor.tolist() for name, tensor in pipe.state_dict().items()}
+    return {"loss": loss.item(), "grads": grads_by_name(pipe), "state": state, "meta": on_meta}
+
+
+def bad_layouts(rank: int, world: int) -> list[tuple[str, str]]:
+    """Each bad layout's error (type and message), on every rank."""
+    attempts = [
+        # 3 cells on 2 processes
+        lambda: gf.GPipe(model(3), [2, 2, 2], pp_group=dist.group.WORLD),
+        # 4 cells on 2 processes without the interleaved schedule
+        lambda: gf.GPipe(model(4), [2, 2, 2, 2], pp_group=dist.group.WORLD, schedule="1f1b"),
+        # dp and pp the same group: they overlap in more than this process
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, dp_group=dist.group.WORLD),
+        # two devices for one process
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, devices=["cpu", "meta"]),
+        # a bad timeout
+        lambda: gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, timeout=0),
+    ]
+    errors = []
+    for attempt in attempts:
+        try:
+            attempt().close()
+            errors.append(("none", ""))
+        except Exception as error:
+            errors.append((type(error).__name__, str(error)))
+    return errors

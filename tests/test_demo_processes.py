@@ -1,0 +1,55 @@
+"""The demo across processes: it trains, reports every rank, and draws one timeline of all."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpipe_fast.demo_processes import communication_ms, merged_timeline
+from gpipe_fast.timeline import TaskSpan
+
+
+def test_demo_across_two_processes(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "gpipe_fast", "demo", "--processes", "2", "--steps", "6"]
+    command += ["--width", "32", "--depth", "3", "--batch", "64", "--lr", "1e-2", "--out", "out"]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output  # the loss fell
+    assert "torchrun --nproc-per-node 2" in result.stdout
+    assert re.search(r"throughput: [\d,]+ samples/s", result.stdout), output
+    assert "rank 0 computes" in result.stdout and "rank 1 computes" in result.stdout
+    trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
+    rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert rows == {f"rank {r} {what}" for r in (0, 1) for what in
+                    ("compute", "receiving activations", "receiving gradients")}  # fmt: skip
+    kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"forward", "backward", "loss", "send_forward", "recv_forward"} <= kinds
+
+
+def _span(kind: str, cell: int, start: float, end: float, worker: int) -> TaskSpan:
+    return TaskSpan("step", kind, cell, 0, start, end, worker=worker)
+
+
+def test_merged_timeline_puts_each_ranks_workers_on_rows_of_their_own() -> None:
+    rank0 = [_span("forward", 0, 1.0, 2.0, 0), _span("send_forward", 0, 2.0, 2.5, 0)]
+    rank1 = [_span("recv_forward", 1, 1.5, 2.6, 1), _span("forward", 1, 2.6, 3.0, 0)]
+    timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="1f1b")
+    assert timeline.row_names[:4] == (
+        "rank 0 compute", "rank 0 receiving activations", "rank 0 receiving gradients",
+        "rank 1 compute",
+    )  # fmt: skip
+    assert [(s.kind, s.worker) for s in timeline.spans] == [
+        ("forward", 0), ("recv_forward", 4), ("send_forward", 0), ("forward", 3),
+    ]  # fmt: skip
+    assert timeline.spans[0].start_s == 0.0  # the earliest span starts the step
+    # The bubble counts the computing rows only; communication is reported apart.
+    assert timeline.compute_rows() == [0, 3]
+    assert communication_ms(timeline, 0) == pytest.approx((500.0, 0.0))
+    assert communication_ms(timeline, 1) == pytest.approx((0.0, 1100.0))

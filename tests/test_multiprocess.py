@@ -1,0 +1,190 @@
+"""Pipelines across processes (gloo on CPU): every rank's loss and gradients against the whole
+model on the whole batch, for every schedule, with data parallelism, on changing shapes; and
+one rank's failure or death ending the step on every rank."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import dist_cases
+import pytest
+import torch
+from cluster import Cluster, values
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[Cluster]:
+    cluster = Cluster(2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[Cluster]:
+    cluster = Cluster(4)
+    yield cluster
+    cluster.close()
+
+
+def _reference(layers: int, size: int, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """The whole model on the whole batch."""
+    net = dist_cases.model(layers)
+    x, y = dist_cases.batch(size, seed)
+    loss = nn.functional.mse_loss(net(x), y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in net.named_parameters()}  # type: ignore[misc]
+
+
+def _check_steps(results: list[dict[str, Any]], layers: int, batches: list[int]) -> None:
+    """Each rank's loss is the whole batch's; the ranks' gradients together are the whole
+    model's, each parameter on exactly one pipeline rank (replicas agree)."""
+    for step, size in enumerate(batches):
+        loss, grads = _reference(layers, size, seed=100 + step)
+        seen: dict[str, int] = {}
+        for rank, result in enumerate(results):
+            got = result["steps"][step]
+            assert got["loss"] == pytest.approx(loss, rel=1e-12), (rank, step)
+            assert got["dtype"] == "torch.float64"
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(
+                    torch.tensor(grad, dtype=torch.float64), grads[name], rtol=1e-10, atol=1e-12,
+                    msg=f"rank {rank}, step {step}, {name}",
+                )  # fmt: skip
+                seen[name] = seen.get(name, 0) + 1
+        assert set(seen) == set(grads), "every parameter's gradient is on some rank"
+
+
+def _run(cluster: Cluster, **kwargs: Any) -> list[dict[str, Any]]:
+    return values(cluster.run("train", **kwargs))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_processes_every_schedule(two: Cluster, schedule: str) -> None:
+    cells = 4 if schedule == "interleaved" else 2  # interleaved: V = 2 cells per process
+    batches = [12, 9, 3]  # even, uneven, fewer rows than micro-batches
+    results = _run(two, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=4,
+                   checkpoint="except_last", batches=batches, pp=2, dp=1)  # fmt: skip
+    _check_steps(results, 4, batches)
+    # Each rank's state dict holds its cells only, under the model's own keys.
+    keys = [set(r["keys"]) for r in results]
+    assert not keys[0] & keys[1]
+    assert keys[0] | keys[1] == set(dist_cases.model(4).state_dict())
+
+
+def test_shapes_change_between_steps(two: Cluster) -> None:
+    # Batch 32, then 48, then 30 with M = 4: a receiver learns each message's shape from its
+    # header (torch.distributed.pipelining keeps the first step's buffers).
+    batches = [32, 48, 30]
+    results = _run(two, schedule="1f1b", layers=4, balance=[4, 4], chunks=4, checkpoint="never",
+                   batches=batches, pp=2, dp=1)  # fmt: skip
+    _check_steps(results, 4, batches)
+
+
+def test_data_parallel_replicas_in_one_process_each(two: Cluster) -> None:
+    # dp_group alone: each process runs the whole pipeline on its shard; the result is one
+    # replica's training on the concatenated batch.
+    batches = [10, 7]
+    results = _run(two, schedule="zero_bubble", layers=4, balance=[4, 4], chunks=2,
+                   checkpoint="always", batches=batches, pp=1, dp=2)  # fmt: skip
+    _check_steps(results, 4, batches)
+    assert results[0]["steps"][0]["grads"] == results[1]["steps"][0]["grads"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_and_data_parallel_on_four_processes(four: Cluster, schedule: str) -> None:
+    cells = 4 if schedule == "interleaved" else 2
+    batches = [16, 11]
+    results = _run(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
+                   checkpoint="except_last", batches=batches, pp=2, dp=2)  # fmt: skip
+    _check_steps(results, 4, batches)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_tied_embedding_and_head_on_two_processes(two: Cluster, schedule: str) -> None:
+    reference = dist_cases.tied_model()
+    x, y = dist_cases.tokens(12)
+    loss = dist_cases.cross_entropy(reference(x), y)
+    loss.backward()
+    results = values(two.run("tied", schedule=schedule))
+    want = reference[0].weight.grad
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-12)
+        # Each rank's copy of the shared weight: the sum over both uses.
+        names = [n for n in result["grads"] if n in ("0.weight", "3.weight")]
+        assert names, f"rank {rank} holds a copy of the tied weight"
+        for name in names:
+            torch.testing.assert_close(
+                torch.tensor(result["grads"][name], dtype=torch.float64), want
+            )
+
+
+def test_a_model_on_the_meta_device_is_built_cell_by_cell(two: Cluster) -> None:
+    results = values(two.run("meta"))
+    # No rank holds the whole model: the other rank's cells stayed on the meta device.
+    assert results[0]["meta"] == ["4.bias", "4.weight", "6.bias", "6.weight"]
+    assert results[1]["meta"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    # The ranks' state dicts merge into the full model's, which gives the same step.
+    merged = {**results[0]["state"], **results[1]["state"]}
+    reference = dist_cases.model(4)
+    reference.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in merged.items()})
+    x, y = dist_cases.batch(6, seed=7)
+    loss = nn.functional.mse_loss(reference(x), y)
+    loss.backward()
+    for result in results:
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-12)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(
+                torch.tensor(grad, dtype=torch.float64),
+                dict(reference.named_parameters())[name].grad,
+            )
+
+
+def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
+    for errors in values(two.run("bad_layouts")):
+        kinds = [kind for kind, _ in errors]
+        assert kinds == ["ValueError"] * 5, errors
+        messages = [message for _, message in errors]
+        assert messages[0].startswith("balance: 3 cells cannot be shared")
+        assert messages[1].startswith("balance: 4 cells on 2 processes")
+        assert messages[2].startswith("dp_group: it overlaps pp_group")
+        assert messages[3].startswith("devices:")
+        assert messages[4].startswith("timeout must be > 0")
+
+
+def test_an_exception_on_one_rank_reaches_every_rank(two: Cluster) -> None:
+    replies = two.run("fail", timeout_s=60, failing_rank=1)
+    two.reset()  # a failed step leaves the process group to be rebuilt (README)
+    failing, other = replies[1], replies[0]
+    assert failing.error_type == "KeyError"  # its own type, on the failing rank
+    assert "cell 1, micro-batch 2, forward pass" in failing.error
+    assert other.error_type == "PeerFailure" and "rank 1" in other.error
+    assert "KeyError" in other.error and "planted on rank 1" in other.error
+    # Both ended within the pipe's 20 s timeout, not at it: the failure was carried over.
+    assert other.seconds < 20
+
+
+def test_a_killed_rank_makes_the_others_raise() -> None:
+    cluster = Cluster(2)
+    try:
+        for q in cluster.requests:
+            q.put(("fail", {"failing_rank": 1, "kill": True}))
+        (survivor,) = cluster.collect_survivors("fail", {0}, timeout_s=90)
+        assert survivor.error_type == "PeerFailure", survivor
+        assert "rank 1" in survivor.error
+        cluster.processes[1].join(timeout=30)
+        assert cluster.processes[1].exitcode == 3
+    finally:
+        cluster.close()
+
+
+def test_reference_helpers_are_deterministic() -> None:
+    # The workers and this process build the same model and batches.
+    a, b = dist_cases.model(2), copy.deepcopy(dist_cases.model(2))
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert torch.equal(dist_cases.batch(4, 1)[0], dist_cases.batch(4, 1)[0])
