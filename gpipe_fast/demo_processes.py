@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import time
@@ -61,21 +62,33 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
         pipe.train_step(*data[-1], nn.functional.mse_loss)  # one more step, recorded
         timeline = pipe.timeline()
         pipe.close()
-        gathered: list[Any] = [None] * args.processes
-        dist.all_gather_object(gathered, (timeline.spans, timeline.microbatches))
-        if rank == 0:
-            results.put(
-                {
-                    "losses": losses,
-                    "seconds": seconds,
-                    "spans": [spans for spans, _ in gathered],
-                    "microbatches": gathered[0][1],
-                    "threads": pipe.threads_per_cell,
-                    "balance": pipe.balance,
-                }
-            )
+        # Every rank hands the parent its own spans (the parent draws them together).
+        results.put(
+            {
+                "rank": rank,
+                "losses": losses,
+                "seconds": seconds,
+                "spans": timeline.spans,
+                "microbatches": timeline.microbatches,
+                "threads": pipe.threads_per_cell,
+                "balance": pipe.balance,
+            }
+        )
     finally:
         dist.destroy_process_group()
+
+
+def _collect(results: Any, processes: list[Any]) -> list[dict[str, Any]] | None:
+    """Every process's report (read before joining: a report larger than the pipe's buffer
+    holds its process until it is read), or None once one ended without reporting."""
+    reports: list[dict[str, Any]] = []
+    while len(reports) < len(processes):
+        try:
+            reports.append(results.get(timeout=1.0))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in processes):
+                return None
+    return reports
 
 
 def merged_timeline(spans_by_rank: list[list[TaskSpan]], cells: int, microbatches: int,
@@ -99,7 +112,7 @@ def merged_timeline(spans_by_rank: list[list[TaskSpan]], cells: int, microbatche
 def run(args: argparse.Namespace) -> int:
     """Starts the processes, waits for them, reports what rank 0 saw; 0 when the loss fell."""
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
+    results = context.Queue()
     port = _free_port()
     print(
         f"gpipe_fast demo across {args.processes} processes (gloo over 127.0.0.1, one cell "
@@ -112,21 +125,23 @@ def run(args: argparse.Namespace) -> int:
     ]
     for process in processes:
         process.start()
+    reports = _collect(results, processes)
     for process in processes:
         process.join()
-    if any(process.exitcode != 0 for process in processes):
+    if reports is None:
         codes = [process.exitcode for process in processes]
         print(f"a process failed (exit codes {codes}); see its error above")
         return 2
-    result = results.get()
+    by_rank = sorted(reports, key=lambda r: r["rank"])
+    result = by_rank[0]
     losses, seconds = result["losses"], result["seconds"][1:] or result["seconds"]
     window = max(1, min(10, len(losses) // 2))
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
     print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'}")
     print(f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)")
     print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
-    timeline = merged_timeline(result["spans"], len(result["balance"]), result["microbatches"],
-                               args.schedule)  # fmt: skip
+    timeline = merged_timeline([r["spans"] for r in by_rank], len(result["balance"]),
+                               result["microbatches"], args.schedule)  # fmt: skip
     print(
         f"one step: makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble():.1%} "
         f"(ideal {timeline.ideal_bubble:.1%}); per rank: "
