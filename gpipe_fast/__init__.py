@@ -20,6 +20,7 @@ from gpipe_fast.balance import (
 )
 from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.gpipe import GPipe
+from gpipe_fast.guard import PeerFailure
 from gpipe_fast.memory import CellMemoryStats
 from gpipe_fast.plan import CellPlan, Plan, plan
 from gpipe_fast.timeline import TaskSpan, Timeline
@@ -28,6 +29,7 @@ __all__ = [
     "CellMemoryStats",
     "CellPlan",
     "GPipe",
+    "PeerFailure",
     "Plan",
     "TaskSpan",
     "Timeline",

@@ -80,6 +80,11 @@ class GPipe(nn.Module):
     "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
     ``devices[s % len(devices)]``, V cells per device's worker) or "zero_bubble" (ZB-H1).
     ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
+
+    Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
+    runs cells r, r + P, ...; with ``dp_group``, replicas' gradients are summed over it.
+    Every rank then calls :meth:`train_step`. ``timeout`` bounds every wait for another
+    rank (seconds); a failure on any rank ends the step on all (README, "Across processes").
     """
 
     def __init__(
