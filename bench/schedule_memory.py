@@ -43,24 +43,29 @@ class _Count(torch.autograd.Function):
 
 
 class Counter(nn.Module):
-    """Counts forwards not yet backwarded; keeps the peak."""
+    """Counts forwards not yet backwarded (also on its worker's counter); keeps the peak."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: Counter | None = None) -> None:
         super().__init__()
         self.lock = threading.Lock()
         self.now = self.peak = 0
+        self.worker = [] if worker is None else [worker]  # a list: not a submodule
 
     def add(self, delta: int) -> None:
         with self.lock:
             self.now += delta
             self.peak = max(self.peak, self.now)
+        for worker in self.worker:
+            worker.add(delta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Count.apply(x, self)  # type: ignore[no-any-return]
 
 
-def peaks(schedule: str, stages: int) -> list[int]:
-    counters = [Counter() for _ in range(stages)]
+def peaks(schedule: str, stages: int) -> tuple[list[int], list[int]]:
+    """Peak micro-batches in flight per stage and per worker (all its stages at once)."""
+    workers = [Counter() for _ in range(WORKERS)]
+    counters = [Counter(workers[s % WORKERS]) for s in range(stages)]
     layers: list[nn.Module] = []
     for counter in counters:
         layers += [nn.Linear(16, 16), counter]
@@ -71,7 +76,16 @@ def peaks(schedule: str, stages: int) -> list[int]:
         pipe.train_step(x, x, nn.functional.mse_loss)
     finally:
         pipe.close()
-    return [c.peak for c in counters]
+    return [c.peak for c in counters], [w.peak for w in workers]
+
+
+def megatron_bound(schedule: str, stages: int) -> list[int]:
+    """Micro-batch-stages a worker holds at most under Megatron's schedules (M >= K)."""
+    if schedule == "gpipe":
+        return [CHUNKS * stages // WORKERS] * WORKERS
+    per_worker = stages // WORKERS
+    return [(per_worker - 1) * WORKERS + 2 * (WORKERS - 1 - r) + 1 if per_worker > 1
+            else WORKERS - r for r in range(WORKERS)]  # fmt: skip
 
 
 def predicted_bubble(schedule: str, stages: int) -> float:
@@ -85,15 +99,19 @@ def main() -> int:
     rows = []
     for schedule in ("gpipe", "1f1b", "zero_bubble", "interleaved"):
         stages = 2 * WORKERS if schedule == "interleaved" else WORKERS
+        per_stage, per_worker = peaks(schedule, stages)
         rows.append(
             [
                 schedule,
                 f"{stages} on {WORKERS}",
-                " ".join(map(str, peaks(schedule, stages))),
+                " ".join(map(str, per_stage)),
+                " ".join(map(str, per_worker)),
+                " ".join(map(str, megatron_bound(schedule, stages))),
                 f"{predicted_bubble(schedule, stages):.1%}",
             ]
         )
-    header = ["schedule", "stages on workers", "peak in flight per stage", "predicted bubble"]
+    header = ["schedule", "stages on workers", "peak in flight per stage",
+              "peak per worker", "expected (M; K - k; Megatron)", "predicted bubble"]  # fmt: skip
     print(f"K = {WORKERS} workers, M = {CHUNKS} micro-batches")
     print(markdown_table(header, rows))
     return 0

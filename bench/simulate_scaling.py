@@ -7,12 +7,12 @@ send (the receive task lasts the transfer; a rank receives one tensor at a time)
 micro-batches. The schedules are the ones the runtime runs, lowered onto the processes with
 their sends and receives (gf._C.lowered_program), and simulated as they are.
 
-Reported per K: the step time, its bubble (idle share of the compute workers), the time per
-micro-batch against K = 8's (the paper's Table 2 normalises throughput the same way: at M >> K
-it grows almost linearly with K), and the share of the step the transfers would add if no
-compute hid them.
+Reported per K: the step time, its bubble (idle share of the compute workers, transfers
+included), the time per micro-batch, and the throughput against the smallest K's (the paper's
+Table 2 normalises throughput the same way: at M >> K it grows almost linearly with K).
 
     python bench/simulate_scaling.py [--model-ms 256] [--link-gbps 25] [--boundary-mib 8]
+                                     [--stages 8 32 128]
 """
 
 from __future__ import annotations

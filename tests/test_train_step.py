@@ -154,29 +154,51 @@ def test_dropout_gives_the_same_step_under_every_schedule(make_pipe: Any) -> Non
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15, msg=str(key))
 
 
+class _Tally:
+    """Micro-batches forwarded and not yet backwarded, with the peak."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = self.peak = 0
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+
 class _InFlight(torch.autograd.Function):
-    """Counts forwards whose backward has not run yet (per stage), keeping the peak."""
+    """Counts forwards whose backward has not run yet on every tally of a counter."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, counter: _Counter) -> torch.Tensor:  # type: ignore[override]
         ctx.counter = counter
-        with counter.lock:
-            counter.now += 1
-            counter.peak = max(counter.peak, counter.now)
+        for tally in counter.tallies:
+            tally.add(1)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        with ctx.counter.lock:
-            ctx.counter.now -= 1
+        for tally in ctx.counter.tallies:
+            tally.add(-1)
         return grad, None
 
 
 class _Counter(nn.Module):
-    def __init__(self) -> None:
+    """A stage's in-flight count, also added to its worker's (``shared``) when given."""
+
+    def __init__(self, shared: _Tally | None = None) -> None:
         super().__init__()
-        self.lock = threading.Lock()
-        self.now = self.peak = 0
+        self.own = _Tally()
+        self.tallies = [self.own] if shared is None else [self.own, shared]
+
+    @property
+    def now(self) -> int:
+        return self.own.now
+
+    @property
+    def peak(self) -> int:
+        return self.own.peak
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _InFlight.apply(x, self) if torch.is_grad_enabled() else x
@@ -202,23 +224,26 @@ def test_microbatches_in_flight_per_stage(make_pipe: Any, schedule: str) -> None
         assert peaks == [stages - k for k in range(stages)]
 
 
-def test_interleaved_in_flight_stays_within_megatrons_bound(make_pipe: Any) -> None:
-    workers, per_worker, chunks = 2, 2, 6
+@pytest.mark.parametrize(("workers", "per_worker", "chunks"), [(2, 2, 6), (4, 2, 8), (3, 3, 6)])
+def test_interleaved_in_flight_matches_megatrons_bound(
+    make_pipe: Any, workers: int, per_worker: int, chunks: int
+) -> None:
     stages = workers * per_worker
-    counters = [_Counter() for _ in range(stages)]
+    worker_tallies = [_Tally() for _ in range(workers)]
+    counters = [_Counter(worker_tallies[s % workers]) for s in range(stages)]
     layers: list[nn.Module] = []
     for counter in counters:
         layers += [nn.Linear(3, 3), counter]
     model = nn.Sequential(*layers).double()
     pipe = make_pipe(model, [2] * stages, devices=["cpu"] * workers, chunks=chunks,
                      checkpoint="never", schedule="interleaved")  # fmt: skip
-    x, y = torch.randn(12, 3, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
-    pipe.train_step(x, y, nn.functional.mse_loss)
-    # Megatron: worker r holds at most (V-1)*D + 2*(D-1-r) + 1 micro-batch-stages at once;
-    # each of its stages at most that many.
-    for stage, counter in enumerate(counters):
-        r = stage % workers
-        assert 1 <= counter.peak <= (per_worker - 1) * workers + 2 * (workers - 1 - r) + 1
+    x = torch.randn(2 * chunks, 3, dtype=torch.float64)
+    pipe.train_step(x, torch.randn_like(x), nn.functional.mse_loss)
+    # Megatron's interleaved 1F1B (M a multiple of D): worker r runs (V-1)*D + 2*(D-1-r)
+    # warm-up forwards, then one forward before each backward, so it holds at most one more.
+    for r, tally in enumerate(worker_tallies):
+        assert tally.now == 0
+        assert tally.peak == (per_worker - 1) * workers + 2 * (workers - 1 - r) + 1, r
     assert counters[-1].peak == 1  # the last stage runs each backward right after its forward
 
 
