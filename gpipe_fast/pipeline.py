@@ -139,6 +139,7 @@ class Pipeline:
         # recorded step's Step.spans.
         self.recording = False
         self.recorded: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = None
+        self.recorded_call_s = 0.0  # the recorded train_step call, entry to return
         # Steps between pipe(x) and their backward, for memory_stats() (weak: a dropped output
         # frees its step).
         self.live_steps: weakref.WeakSet[Step] = weakref.WeakSet()
@@ -180,6 +181,7 @@ class Pipeline:
         self.executor.set_recording(on)
         self.recording = on
         self.recorded = None
+        self.recorded_call_s = 0.0
 
     def execute(self, schedule: Any, step: Step, phase: str) -> None:
         with self._run_lock:
@@ -187,6 +189,8 @@ class Pipeline:
             if step.spans is not None and self.recording:
                 step.spans[phase] = (schedule, self.executor.last_spans())
                 self.recorded = step.spans
+                if phase != "step":  # pipe(x): the caller's loss lies inside the step
+                    self.recorded_call_s = 0.0
 
     def _committed(self, run: Any) -> Any:
         """Runs `run()` under the run lock and folds deferred BatchNorm statistics in after

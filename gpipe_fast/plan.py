@@ -29,9 +29,11 @@ from gpipe_fast.balance import (
     partition,
     profile_layers,
 )
+from gpipe_fast.calibrate import calibrated
 from gpipe_fast.microbatch import as_tensors, scatter
 from gpipe_fast.predict import StageCosts, predict, task_overhead
 from gpipe_fast.schedules import check_schedule
+from gpipe_fast.timeline import Timeline
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -56,7 +58,8 @@ class Plan:
     pipe(x) followed by its backward). Times are in the plan's `unit`: seconds for
     cost="time" (each cell timed on one micro-batch with its worker's thread count, plus
     the runtime's measured cost per task, `overhead`), otherwise the cost's own unit, so only
-    their ratios mean anything."""
+    their ratios mean anything. A plan calibrated from recorded steps (`calibrated`) takes
+    each cell's costs and the overhead from them instead."""
 
     balance: list[int]
     chunks: int
@@ -70,6 +73,8 @@ class Plan:
     schedule: str = "gpipe"
     overhead: float = 0.0  # per task, in the plan's unit (measured with cost="time")
     threads: int | None = None  # intra-op threads of each CPU cell the costs were timed with
+    calibrated: bool = False  # costs and overhead read from recorded steps' timelines
+    call_overhead: float = 0.0  # per step around its tasks (calibrated plans; in step_time)
 
     def __str__(self) -> str:
         header = ("cell", "layers", "names", f"cost ({self.unit})", "params", "out/micro-batch")
@@ -94,6 +99,11 @@ class Plan:
             for row in rows
         ]
         overhead = f", {self.overhead * 1e6:.0f} us per task" if self.cost == "time" else ""
+        if self.calibrated:
+            overhead += (
+                f" and {self.call_overhead * 1e3:.3g} ms per step around the tasks, "
+                "calibrated from recorded steps"
+            )
         lines.append(
             f"predicted step {self.step_time:.4g} {self.unit} (last forward ends at "
             f"{self.forward_time:.4g}), bubble {self.bubble:.1%}{overhead}"
@@ -147,6 +157,7 @@ def plan(
     warmup: int = 2,
     repeats: int = 5,
     param_scale: float = 2.0,
+    calibrate: Timeline | Sequence[Timeline] | None = None,
 ) -> Plan:
     """Balances `module` into `partitions` cells by `cost` ("time", "size" or "params"; or takes
     the given `balance`) and predicts a training step of `schedule` on `sample`, a whole
@@ -160,6 +171,13 @@ def plan(
     a step through cells that do nothing) is added to every task. The other costs stand for
     a layer's forward, its backward is taken as BACKWARD_PER_FORWARD times that, split in
     equal halves for zero bubble, and a task costs its cell's cost / chunks.
+
+    `calibrate`: one or more timelines of steps recorded with `balance` (``pipe.timeline()``
+    after ``pipe.record_timeline()``), of any schedule with the same cells and chunks. Each
+    cell's task costs are then the recorded tasks' medians, the overhead per task is what
+    the recorded step spent between its tasks, solved through the simulator, and what a
+    train_step call spent around its tasks is added once (`call_overhead`); nothing is
+    timed. It predicts another `schedule` from the step as it ran on this machine.
     """
     module = _check_module(module)
     cells = _check_count(partitions, "partitions", len(module))
@@ -174,6 +192,11 @@ def plan(
         raise ValueError(f"devices ({workers}) must divide partitions ({cells}) when interleaving")
     if balance is not None:
         balance = _check_balance(balance, cells, len(module))
+    if calibrate is not None:
+        if balance is None:
+            raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
+        if cost != "time":
+            raise ValueError(f"calibrate: calibrating measures time, got cost={cost!r}")
     batch = _first_dim(as_tensors(sample, "sample"))
     if chunks > batch:
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
@@ -182,6 +205,12 @@ def plan(
     threads: int | None = None
     overhead = 0.0
     split = schedule == "zero_bubble"
+    if calibrate is not None:
+        assert balance is not None
+        measured, overhead, call = calibrated(calibrate, cells, chunks)
+        return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
+                     measured, overhead, _spread(measured, balance), output_bytes,
+                     threads=_cell_threads(workers, device, module), call=call)  # fmt: skip
     if cost == "time":
         threads = _cell_threads(workers, device, module)
         microbatch = scatter(sample, chunks)[0]
@@ -216,22 +245,56 @@ def plan(
             strict=True,
         )
     ]
-    steps = _C.make_schedule(schedule, cells, workers, chunks, checkpoint)
+    return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
+                 stage_costs, overhead, layer_costs, output_bytes, threads=threads)  # fmt: skip
+
+
+def _plan(
+    module: nn.Sequential,
+    balance: list[int],
+    chunks: int,
+    cost: str,
+    schedule: str,
+    checkpoint: str,
+    workers: int,
+    stage_costs: Sequence[StageCosts],
+    overhead: float,
+    layer_costs: Sequence[float],
+    output_bytes: Sequence[int],
+    *,
+    threads: int | None,
+    call: float | None = None,
+) -> Plan:
+    """The plan of `balance` with its step simulated from `stage_costs` and `overhead`, plus
+    `call` seconds around the tasks when calibrated (None: not calibrated)."""
+    steps = _C.make_schedule(schedule, len(balance), workers, chunks, checkpoint)
     prediction = predict(steps, stage_costs, overhead)
+    around = call or 0.0
     return Plan(
-        balance=list(balance),
+        balance=balance,
         chunks=chunks,
         cost=cost,
         unit=PLAN_UNITS[cost],
         cells=_cell_rows(module, balance, layer_costs, output_bytes, chunks),
         forward_time=prediction.forward_time,
-        backward_time=prediction.step_time - prediction.forward_time,
-        step_time=prediction.step_time,
+        backward_time=prediction.step_time + around - prediction.forward_time,
+        step_time=prediction.step_time + around,
         bubble=prediction.bubble,
         schedule=schedule,
         overhead=overhead,
         threads=threads,
+        calibrated=call is not None,
+        call_overhead=around,
     )
+
+
+def _spread(costs: Sequence[StageCosts], balance: Sequence[int]) -> list[float]:
+    """Per-layer costs whose cell sums are the measured cells' forward + backward of one
+    micro-batch (what a profiled plan's rows show), spread evenly over the cell's layers."""
+    layer_costs: list[float] = []
+    for cell, size in zip(costs, balance, strict=True):
+        layer_costs += [(cell.forward + cell.backward) / size] * size
+    return layer_costs
 
 
 def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:

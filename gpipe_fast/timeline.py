@@ -118,7 +118,9 @@ class Timeline:
     for the interleaved schedule). ``clocks`` names, per worker, what timed its spans (see
     :class:`TaskSpan`): "host" on CPU, "cuda" (CUDA events on its stream) on CUDA devices;
     empty when unknown. ``schedule`` is the kind of the train_step's schedule ("gpipe" for
-    pipe(x) and its backward).
+    pipe(x) and its backward). ``call_s`` is how long the ``train_step`` call took, from
+    entry to return (its tasks and the work around them: splitting the batch, the loss);
+    0 for ``pipe(x)`` and its backward.
     """
 
     cells: int
@@ -130,6 +132,7 @@ class Timeline:
     # Names of the picture's rows, when the workers are not named by their cells (the ranks'
     # compute and communication workers of a multi-process step).
     row_names: tuple[str, ...] = ()
+    call_s: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -142,9 +145,11 @@ class Timeline:
         runs: Sequence[tuple[Phase, Any, Iterable[tuple[int, int, int]]]],
         clocks: Sequence[str] = (),
         schedule: str = "gpipe",
+        call_s: float = 0.0,
     ) -> Timeline:
         """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``), and
-        optionally the executor's ``worker_clocks()`` and the train_step's schedule kind."""
+        optionally the executor's ``worker_clocks()``, the train_step's schedule kind and
+        its call's duration."""
         from gpipe_fast.schedules import ACTIONS
 
         if not runs:
@@ -178,6 +183,7 @@ class Timeline:
             clocks=worker_clocks,
             workers=first.workers,
             schedule=schedule,
+            call_s=call_s,
         )
 
     # -- measures ----------------------------------------------------------------------------
