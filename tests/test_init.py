@@ -1,7 +1,10 @@
 """The package's public surface: __all__ names the API, and the native core stays private."""
 
 import importlib
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import gpipe_fast
 
@@ -22,3 +25,14 @@ def test_every_exported_name_exists_and_is_public() -> None:
     for name in gpipe_fast.__all__:
         assert not name.startswith("_"), name
         assert hasattr(gpipe_fast, name), name
+
+
+def test_importing_the_package_prints_no_warning(tmp_path: Path) -> None:
+    # A newcomer's first command must not open with a warning: torch warns at import when
+    # NumPy is missing, which is why the package depends on numpy.
+    result = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", "import gpipe_fast"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
