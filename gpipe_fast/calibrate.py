@@ -109,6 +109,12 @@ def checkpoint_of(timeline: Timeline) -> str:
     return "always" if recomputes >= timeline.cells * timeline.microbatches else "except_last"
 
 
+def recorded_halves(calibrate: Timeline | Sequence[Timeline]) -> bool:
+    """Whether the recorded steps split their backwards (zero bubble's two halves)."""
+    timelines = [calibrate] if isinstance(calibrate, Timeline) else calibrate
+    return any(s.kind == "backward_input" for t in timelines for s in t.spans)
+
+
 def call_cost(timeline: Timeline) -> float:
     """Seconds a train_step call spent around its tasks (splitting the batch, gathering the
     loss, accumulating input gradients); 0 when the call was not timed (pipe(x))."""

@@ -4,6 +4,7 @@ the chosen schedule."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from gpipe_fast.balance import (
     partition,
     profile_layers,
 )
-from gpipe_fast.calibrate import calibrated
+from gpipe_fast.calibrate import calibrated, recorded_halves
 from gpipe_fast.microbatch import as_tensors, scatter
 from gpipe_fast.predict import StageCosts, predict, task_overhead
 from gpipe_fast.schedules import check_schedule
@@ -208,6 +209,13 @@ def plan(
     if calibrate is not None:
         assert balance is not None
         measured, overhead, call = calibrated(calibrate, cells, chunks)
+        if schedule == "zero_bubble" and not recorded_halves(calibrate):
+            warnings.warn(
+                "gf.plan: zero_bubble calibrated from steps whose backwards were not split: "
+                "each half is taken as half a backward, which underestimates small layers "
+                "(a split costs a task more); calibrate from a zero_bubble step instead",
+                stacklevel=2,
+            )
         return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
                      measured, overhead, _spread(measured, balance), output_bytes,
                      threads=_cell_threads(workers, device, module), call=call)  # fmt: skip

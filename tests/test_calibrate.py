@@ -3,6 +3,8 @@ through the simulator, and gf.plan(calibrate=...) end to end."""
 
 from __future__ import annotations
 
+import statistics
+import warnings
 from collections.abc import Sequence
 
 import pytest
@@ -100,7 +102,12 @@ def test_plan_predicts_any_schedule_from_recorded_fill_drain(schedule: str) -> N
         timelines = _record(pipe, x, 3)
     finally:
         pipe.close()
-    plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule=schedule, calibrate=timelines)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule=schedule, calibrate=timelines)
+    # Zero bubble from unsplit backwards is an estimate, and the plan says so.
+    warned = [w for w in caught if "calibrate from a zero_bubble step" in str(w.message)]
+    assert len(warned) == (1 if schedule == "zero_bubble" else 0)
     costs, handoff, call = calibrated(timelines, 2, 4)
     # The plan is the schedule simulated with the recorded costs and the solved hand-off,
     # plus what each call spent around its tasks.
@@ -112,6 +119,24 @@ def test_plan_predicts_any_schedule_from_recorded_fill_drain(schedule: str) -> N
     assert plan.overhead == handoff >= 0.0
     assert [c.cost for c in plan.cells] == pytest.approx([c.forward + c.backward for c in costs])
     assert "calibrated from recorded steps" in str(plan)
+
+
+def test_zero_bubble_calibrated_from_its_own_steps_uses_the_measured_halves() -> None:
+    model, x = _model(), torch.randn(16, 16)
+    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, schedule="zero_bubble")
+    try:
+        timelines = _record(pipe, x, 2)
+    finally:
+        pipe.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule="zero_bubble", calibrate=timelines)
+    costs, _, _ = calibrated(timelines, 2, 4)
+    halves = [s for t in timelines for s in t.spans if s.kind == "backward_weight" and s.cell == 0]
+    assert len(halves) == 2 * 4
+    assert costs[0].backward_weight == statistics.median(s.duration_s for s in halves)
+    assert costs[0].backward == costs[0].backward_input + costs[0].backward_weight
+    assert plan.calibrated
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
