@@ -136,3 +136,22 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         raise ctx.error
+
+
+def device_sleep_cycles(ms: float) -> tuple[int, float]:
+    """Cycles of ``torch.cuda._sleep`` that keep the current CUDA stream busy about `ms`
+    (its clock rate varies by GPU and by power state, so it is measured), and the
+    milliseconds they took when measured by CUDA events."""
+
+    def measure(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    measure(1_000)  # warm-up: the first launch loads the kernel
+    probe = 1_000_000
+    cycles = max(probe, int(probe * ms / measure(probe)))
+    return cycles, measure(cycles)

@@ -9,6 +9,8 @@ import torch
 from gpipe_fast import _C
 from gpipe_fast.copy import boundary_copy, native_stream
 
+from helpers import device_sleep_cycles
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -37,17 +39,6 @@ def test_copy_arguments_are_checked_before_any_cuda_call() -> None:
 
 
 # -- on a GPU --------------------------------------------------------------------------------
-
-
-def _cycles_per_ms() -> float:
-    """Clock cycles torch.cuda._sleep spins per millisecond on this GPU, measured."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)  # warm-up
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def _streams() -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -90,7 +81,7 @@ def test_source_block_is_not_reused_while_the_copy_reads_it(record: bool) -> Non
     address = source.data_ptr()
     torch.cuda.synchronize()
     with torch.cuda.stream(consumer):
-        torch.cuda._sleep(int(100 * _cycles_per_ms()))  # the copy waits for the consumer
+        torch.cuda._sleep(device_sleep_cycles(100)[0])  # the copy waits for the consumer
     if record:
         copied = boundary_copy(copier, source, source.device, consumer, copy_stream)
     else:
@@ -119,7 +110,7 @@ def test_consumer_waits_for_the_copy() -> None:
     source = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
     torch.cuda.synchronize()
     with torch.cuda.stream(copy_stream):
-        torch.cuda._sleep(int(100 * _cycles_per_ms()))
+        torch.cuda._sleep(device_sleep_cycles(100)[0])
     copied = boundary_copy(copier, source, source.device, consumer, copy_stream)
     with torch.cuda.stream(consumer):
         total = copied.sum()

@@ -1,6 +1,7 @@
 """The engine on CUDA: exact gradients with cells sharing a GPU or on several, autocast,
-no host synchronisation in a step, and stream ordering that a device-side sleep would
-expose. Skipped without a GPU (written before one was lent: first run pending)."""
+no host synchronisation in a step, and stream ordering that a device-side sleep (calibrated
+per GPU, with a control showing it exposes a missing wait) would expose. Skipped without a
+GPU (written before one was lent: first run pending)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_same_run, mlp, pipe_run, reference_run
+from helpers import assert_same_run, device_sleep_cycles, mlp, pipe_run, reference_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -67,12 +68,41 @@ def test_step_needs_no_host_synchronisation(make_pipe) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["event-wait", "control-without"])
+def test_a_device_sleep_exposes_a_missing_stream_wait(wait: bool) -> None:
+    """The control for the tests below: a consumer stream reads what a producer stream writes
+    behind a 100 ms device-side sleep. With an event wait it reads the values; without one
+    it reads the buffer unwritten, every time. So a cell that failed to wait for its
+    producer would fail those tests, rather than pass by luck of timing."""
+    cycles, _ = device_sleep_cycles(100)
+    producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
+    source = torch.randn(1 << 16, device="cuda")
+    written = torch.zeros_like(source)
+    read = torch.full_like(source, -1.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(cycles)
+        written.copy_(source)
+        done = torch.cuda.Event()
+        done.record()
+    with torch.cuda.stream(consumer):
+        if wait:
+            consumer.wait_event(done)
+        read.copy_(written)
+    torch.cuda.synchronize()
+    assert torch.equal(read, source) if wait else torch.equal(read, torch.zeros_like(source))
+
+
 class _SlowDouble(nn.Module):
-    """Doubles its input after keeping its stream busy for a while: a consumer that did not
-    wait on this cell's stream would read the result before it is written."""
+    """Doubles its input after keeping its stream busy for about 50 ms: a consumer that did
+    not wait on this cell's stream would read the result before it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cycles, _ = device_sleep_cycles(50)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        torch.cuda._sleep(20_000_000)  # cycles: tens of milliseconds on current GPUs
+        torch.cuda._sleep(self.cycles)
         return x * 2
 
 
@@ -109,8 +139,9 @@ def test_cell_zero_waits_for_the_callers_input(make_pipe) -> None:
     pipe = make_pipe(module, [1, 1], devices=["cuda:0", "cuda:0"], chunks=4)
     source = torch.randn(32, 64, device="cuda")
     x = torch.empty_like(source)
+    cycles, _ = device_sleep_cycles(100)
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
+    torch.cuda._sleep(cycles)
     x.copy_(source)
     out = pipe(x)
     torch.testing.assert_close(out, module(source))

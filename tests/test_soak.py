@@ -57,15 +57,21 @@ class _FailWhenArmed(nn.Module):
         return x
 
 
-def _soak(make_pipe: Any, device: str, snapshot: Callable[[Any], tuple[object, ...]]) -> None:
-    """Runs a hundred warm-up steps, then STEPS more (one in FAIL_EVERY failing), and checks
-    that `snapshot(executor)` and the live objects are what they were after warm-up, halfway
-    and at the end."""
+def _soak(
+    make_pipe: Any,
+    device: str,
+    snapshot: Callable[[Any], tuple[object, ...]],
+    **options: Any,
+) -> None:
+    """Runs a hundred warm-up steps, then STEPS more (one in FAIL_EVERY failing), of a pipe
+    built with `options`, and checks that `snapshot(pipe)` and the live objects are what
+    they were after warm-up, halfway and at the end."""
     fail = _FailWhenArmed()
     model = nn.Sequential(
         nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 8), fail, nn.Tanh()
     ).to(device)
-    pipe = make_pipe(model, [3, 3], devices=[device] * 2, chunks=4)  # recomputes all but one
+    # Recomputes all micro-batches but the last.
+    pipe = make_pipe(model, [3, 3], devices=[device] * 2, chunks=4, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     executor = pipe._pipeline.executor
     x = torch.randn(16, 8, device=device)
@@ -86,7 +92,7 @@ def _soak(make_pipe: Any, device: str, snapshot: Callable[[Any], tuple[object, .
         # none), garbage collected (by the census) before the snapshot reads memory.
         optimizer.zero_grad()
         objects = _live_objects()
-        return snapshot(executor), objects
+        return snapshot(pipe), objects
 
     with no_hang(300):
         for i in range(100):  # warm-up: allocator pools, lazy imports, per-thread state
@@ -112,27 +118,35 @@ def _soak(make_pipe: Any, device: str, snapshot: Callable[[Any], tuple[object, .
 
 
 def test_thousand_steps_leave_threads_events_objects_and_memory_flat(make_pipe) -> None:
-    def snapshot(executor: Any) -> tuple[object, ...]:
+    def snapshot(pipe: Any) -> tuple[object, ...]:
         # Threads (the watchdog's too), the host sync's live events, and the cache of random
         # ops' generator overloads (grows only with new kinds of op, never per step).
         cached_ops = randomness._with_generator.cache_info().currsize
-        return native_threads(), executor.live_events, cached_ops
+        return native_threads(), pipe._pipeline.executor.live_events, cached_ops
 
     _soak(make_pipe, "cpu", snapshot)
 
 
 @needs_cuda
-def test_thousand_steps_on_cuda_leave_pooled_events_and_device_memory_flat(make_pipe) -> None:
-    def snapshot(executor: Any) -> tuple[object, ...]:
+@pytest.mark.parametrize("recompute_pool", [False, True], ids=["caching-allocator", "pool"])
+def test_thousand_steps_on_cuda_leave_events_pools_and_device_memory_flat(
+    make_pipe, recompute_pool: bool
+) -> None:
+    def snapshot(pipe: Any) -> tuple[object, ...]:
         torch.cuda.synchronize()
+        executor, copier = pipe._pipeline.executor, pipe._pipeline.streams.copier
         return (
             native_threads(),
             executor.live_events,
             executor.pooled_events,  # the CUDA sync reuses its events: the pool stops growing
+            copier.live_events,
+            copier.pooled_events,  # so do the boundary copier's
+            # The recompute pools' high-water marks: reused from step to step, never grown.
+            tuple(cell["recompute_peak_bytes"] for cell in pipe.memory_stats()),
             torch.cuda.memory_allocated(),
         )
 
-    _soak(make_pipe, "cuda:0", snapshot)
+    _soak(make_pipe, "cuda:0", snapshot, recompute_pool=recompute_pool)
 
 
 def test_thousand_forward_only_runs_under_no_grad(make_pipe) -> None:

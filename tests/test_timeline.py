@@ -18,7 +18,7 @@ import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.timeline import Timeline
 
-from helpers import Sleepy
+from helpers import Sleepy, device_sleep_cycles
 
 K, M = 3, 4
 
@@ -315,30 +315,12 @@ def test_cuda_backend_times_cpu_cells_on_the_host_without_cuda_calls() -> None:
 # -- CUDA cells: spans from CUDA events ------------------------------------------------------
 
 
-def _device_sleep_cycles(ms: float) -> tuple[int, float]:
-    """Cycles of torch.cuda._sleep that keep the current stream busy about `ms`, and the
-    milliseconds they took when measured by CUDA events."""
-
-    def measure(cycles: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    measure(1_000)  # warm-up: the first launch loads the kernel
-    probe = 1_000_000
-    cycles = max(probe, int(probe * ms / measure(probe)))
-    return cycles, measure(cycles)
-
-
 @needs_cuda
 def test_cuda_span_is_the_streams_time_not_the_callbacks() -> None:
     """Two cells sharing cuda:0. Task (cell 0, micro-batch 1) enqueues a device-side sleep
     and returns at once: its span lasts the sleep, and cell 1's consumer, whose host
     callback runs long before the sleep ends, still starts after it on the GPU."""
-    cycles, sleep_ms = _device_sleep_cycles(50)
+    cycles, sleep_ms = device_sleep_cycles(50)
     streams = [torch.cuda.Stream(0), torch.cuda.Stream(0)]
     executor = _C.Executor(2, "cuda")
     executor.set_streams([_C.Stream(0, s.cuda_stream) for s in streams])
@@ -393,7 +375,7 @@ class _DeviceSleep(nn.Module):
 
 @needs_cuda
 def test_cuda_cells_timeline_follows_the_schedule_on_the_gpu(make_pipe: Any) -> None:
-    cycles, sleep_ms = _device_sleep_cycles(10)
+    cycles, sleep_ms = device_sleep_cycles(10)
     model = nn.Sequential(_DeviceSleep(cycles), nn.Linear(6, 6), nn.Linear(6, 6)).double()
     timeline, checkpointed = _recorded_step(
         make_pipe, model, [1, 2], M, "except_last", devices=["cuda:0", "cuda:0"]
