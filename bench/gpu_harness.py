@@ -78,6 +78,33 @@ def scale(args: argparse.Namespace) -> str:
     return "smoke" if args.smoke_cpu else "quick" if args.quick else "full"
 
 
+def scaled(
+    name: str,
+    scales: Mapping[str, Any],
+    measure: Callable[[torch.device, Any], Section],
+    args: argparse.Namespace,
+) -> Measurement:
+    """The measurement `name`: `measure` at the one of its `scales` the command line asks for."""
+    config = scales[scale(args)]
+    return Measurement(name, lambda device: measure(device, config), config)
+
+
+def main(
+    script_file: str,
+    description: str | None,
+    measurement: Callable[[argparse.Namespace], Measurement],
+    argv: Sequence[str] | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """A script run alone: the common options (and its own), then its one measurement."""
+    script = Path(script_file).name
+    options = parser(description, script)
+    if add_arguments is not None:
+        add_arguments(options)
+    args = options.parse_args(argv)
+    return run(script, [measurement(args)], args, argv)
+
+
 def resolve_device(args: argparse.Namespace) -> torch.device | str:
     """The device to measure, or why there is none."""
     if args.smoke_cpu:

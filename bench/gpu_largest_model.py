@@ -9,7 +9,6 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import gpu_harness as harness
@@ -377,10 +376,7 @@ def measurement(args: argparse.Namespace) -> harness.Measurement:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = harness.parser(__doc__, Path(__file__).name)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return harness.run(Path(__file__).name, [measurement(args)], args, argv)
+    return harness.main(__file__, __doc__, measurement, argv, add_arguments)
 
 
 if __name__ == "__main__":

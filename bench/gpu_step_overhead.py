@@ -9,7 +9,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import gpu_harness as harness
@@ -177,13 +176,11 @@ def measure(device: torch.device, cfg: Config) -> harness.Section:
 
 
 def measurement(args: argparse.Namespace) -> harness.Measurement:
-    cfg = SCALES[harness.scale(args)]
-    return harness.Measurement(NAME, lambda device: measure(device, cfg), cfg)
+    return harness.scaled(NAME, SCALES, measure, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = harness.parser(__doc__, Path(__file__).name).parse_args(argv)
-    return harness.run(Path(__file__).name, [measurement(args)], args, argv)
+    return harness.main(__file__, __doc__, measurement, argv)
 
 
 if __name__ == "__main__":
