@@ -224,21 +224,6 @@ def _median_step(pipe: gf.GPipe, x: Tensor, y: Tensor) -> gf.Timeline:
     return sorted(recorded, key=lambda timeline: timeline.makespan)[len(recorded) // 2]
 
 
-def _write_timeline(timeline: gf.Timeline, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "timeline.trace.json"
-    timeline.to_chrome_trace(trace)
-    print(f"timeline trace: {trace} (open in ui.perfetto.dev or chrome://tracing)")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
-        return
-    picture = out / "timeline.png"
-    timeline.plot(picture)
-    print(f"timeline picture: {picture}")
-
-
 def _plain_work(model: nn.Module, x: Tensor) -> float:
     """The plain model's forward and backward on one mini-batch, timed alone (seconds)."""
     alone = report.time_cell_alone(model, x, needs_input_grad=False, threads=None, repeats=3)
@@ -404,7 +389,7 @@ def run_demo(argv: list[str]) -> int:
         )
         _say(comparison.work_line())
         _say(comparison.verdict())
-        _write_timeline(timeline, args.out)
+        report.write_timeline(timeline, args.out, "open in ui.perfetto.dev or chrome://tracing")
         _print_memory(pipe)
     finally:
         pipe.close()

@@ -10,7 +10,6 @@ import socket
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
+from gpipe_fast import demo_report as report
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 # Each process's workers: its compute worker (which also posts the sends) and the workers
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         f"(ideal {timeline.ideal_bubble:.1%}); per rank: "
         + "; ".join(_rank_line(timeline, r) for r in range(args.processes))
     )
-    _write(timeline, args.out)
+    report.write_timeline(timeline, args.out, "every rank's workers")
     return 0 if last < first else 1
 
 
@@ -167,18 +167,3 @@ def _rank_line(timeline: Timeline, rank: int) -> str:
         f"rank {rank} computes {compute * 1e3:.1f} ms, posts sends {sends:.1f} ms, receives "
         f"{receives:.1f} ms (waiting for the data included)"
     )
-
-
-def _write(timeline: Timeline, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "timeline.trace.json"
-    timeline.to_chrome_trace(trace)
-    print(f"timeline trace: {trace} (every rank's workers)")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
-        return
-    picture = out / "timeline.png"
-    timeline.plot(picture)
-    print(f"timeline picture: {picture}")

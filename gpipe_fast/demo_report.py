@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -360,3 +361,20 @@ class Comparison:
             f"(the more so when other work takes the cores); that outweighs {pipe}. The gain is "
             f"in using the cores, not in pipelining: {fit}."
         )
+
+
+def write_timeline(timeline: gf.Timeline, out: Path, trace_note: str) -> None:
+    """Writes the timeline's Chrome trace and, when matplotlib is installed, its picture to
+    `out`, printing where (`trace_note` follows the trace's path)."""
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "timeline.trace.json"
+    timeline.to_chrome_trace(trace)
+    print(f"timeline trace: {trace} ({trace_note})")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
+        return
+    picture = out / "timeline.png"
+    timeline.plot(picture)
+    print(f"timeline picture: {picture}")
