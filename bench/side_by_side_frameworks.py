@@ -31,13 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -51,15 +48,10 @@ from side_by_side_cpu import (
     pipeline_contenders,
     thread_efficiency,
 )
+from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
 
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 REPLY_TIMEOUT_S = 120.0  # a worker that has not answered by then is considered dead
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the torch.distributed.pipelining workers ----------------------------------------------
@@ -69,22 +61,12 @@ def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output.sum()
 
 
-def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue) -> None:
+def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue, parent: int) -> None:
     """One pipeline stage; runs a step of the named schedule per request until "stop"."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    torch.set_num_threads(1)
-    parent = os.getppid()
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=REPLY_TIMEOUT_S),
-        )
+        join_gloo(rank, port, REPLY_TIMEOUT_S)
         torch.manual_seed(1)
         x = torch.randn(BATCH, WIDTH)
         target = torch.zeros(BATCH)
@@ -96,15 +78,7 @@ def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue) -> None:
             stage = PipelineStage(half, rank, 2, torch.device("cpu"))
             schedules[name] = kind(stage, CHUNKS, loss_fn=_sum_loss, scale_grads=False)
         replies.put((rank, "ready", 0.0, None))
-        while True:
-            try:
-                request = requests.get(timeout=5.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the main process is gone: leave
-                    return
-                continue
-            if request == "stop":
-                return
+        for request in requests_of(requests, parent):
             start = time.perf_counter()
             if rank == 0:
                 schedules[request].step(x)
@@ -114,71 +88,20 @@ def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue) -> None:
     except BaseException as error:  # report, then exit: the main process stops the other
         replies.put((rank, "error", 0.0, f"{type(error).__name__}: {error}"))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_gloo()
 
 
-class Workers:
+class Workers(WorkerPair):
     """The 2 stage processes; stop() always ends them (stop request, then terminate/kill)."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self.replies = ctx.Queue()
-        self.requests = [ctx.Queue() for _ in range(2)]
-        self.procs = [
-            ctx.Process(
-                target=worker, args=(rank, port, self.requests[rank], self.replies), daemon=True
-            )
-            for rank in range(2)
-        ]
-        for p in self.procs:
-            p.start()
-        self._collect("ready")
-
-    def _collect(self, expected: str) -> float:
-        """Waits for both ranks' replies; returns the longest step time they report."""
-        own, deadline = 0.0, time.monotonic() + REPLY_TIMEOUT_S
-        for _ in range(2):
-            while True:
-                try:
-                    rank, what, seconds, error = self.replies.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    dead = [p.pid for p in self.procs if not p.is_alive()]
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"pipelining workers did not answer {expected!r} (dead: {dead})"
-                        ) from None
-            if error is not None:
-                raise RuntimeError(f"pipelining worker {rank}: {error}")
-            assert what == expected, (what, expected)
-            own = max(own, seconds)
-        return own
+        super().__init__(worker, REPLY_TIMEOUT_S)
 
     def step(self, schedule: str) -> tuple[float, float]:
-        """(request-to-reply seconds, the workers' own step seconds)."""
+        """(request-to-reply seconds, the workers' own step seconds: the longer)."""
         start = time.perf_counter()
-        for q in self.requests:
-            q.put(schedule)
-        own = self._collect(schedule)
+        own = max(self.ask(schedule, schedule))
         return time.perf_counter() - start, own
-
-    def stop(self) -> None:
-        for q in self.requests:
-            try:
-                q.put("stop")
-            except (OSError, ValueError):
-                pass
-        for p in self.procs:
-            p.join(timeout=10)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 # -- the local contenders ------------------------------------------------------------------

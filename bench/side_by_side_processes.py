@@ -23,29 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from torch import nn
 
-WIDTH, BATCH, CHUNKS, LAYERS = 1024, 256, 8, 8
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from side_by_side_cpu import BATCH, BLOCKS, CHUNKS, WIDTH, build_model
+from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
+
 CONTENDERS = ("gpipe_fast gpipe", "gpipe_fast 1f1b", "ScheduleGPipe", "Schedule1F1B", "floor")
 REPLY_TIMEOUT_S = 300.0
-
-
-def build_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers)
+HALF = BLOCKS // 2  # blocks (Linear + ReLU) per rank
 
 
 def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -64,7 +55,7 @@ def _contenders(rank: int, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, A
     for schedule in ("gpipe", "1f1b"):
         pipe = gf.GPipe(
             build_model(),
-            [LAYERS, LAYERS],
+            [HALF, HALF],
             chunks=CHUNKS,
             checkpoint="never",
             schedule=schedule,
@@ -74,7 +65,7 @@ def _contenders(rank: int, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, A
         steps[f"gpipe_fast {schedule}"] = lambda p=pipe: p.train_step(x, x, _sum_loss)
     target = torch.zeros(BATCH)
     for name, kind in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
-        half = build_model()[LAYERS * rank : LAYERS * (rank + 1)]
+        half = build_model()[HALF * rank : HALF * (rank + 1)]
         stage = PipelineStage(half, rank, 2, torch.device("cpu"))
         schedule = kind(stage, CHUNKS, loss_fn=_sum_loss, scale_grads=False)
         steps[name] = (
@@ -82,7 +73,7 @@ def _contenders(rank: int, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, A
             if rank == 0
             else (lambda s=schedule: s.step(target=target))
         )
-    half = build_model()[LAYERS * rank : LAYERS * (rank + 1)]
+    half = build_model()[HALF * rank : HALF * (rank + 1)]
     inputs = [m.detach().requires_grad_(rank > 0) for m in x.chunk(CHUNKS)]
 
     def floor() -> None:
@@ -106,82 +97,29 @@ def _communication(pipe: Any, x: torch.Tensor) -> dict[str, float]:
     }
 
 
-def worker(rank: int, port: int, requests: Any, replies: Any) -> None:
+def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> None:
+    """One rank of every contender; runs a step of the named one per request until "stop"."""
     import torch.distributed as dist
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=REPLY_TIMEOUT_S),
-        )
+        join_gloo(rank, port, REPLY_TIMEOUT_S)
         torch.manual_seed(1)
         x = torch.randn(BATCH, WIDTH)
         steps, pipes = _contenders(rank, x)
-        replies.put((rank, "ready", None))
-        while True:
-            request = requests.get(timeout=REPLY_TIMEOUT_S)
-            if request == "stop":
-                break
+        replies.put((rank, "ready", None, None))
+        for request in requests_of(requests, parent):
             if request == "communication":
-                replies.put((rank, request, {s: _communication(p, x) for s, p in pipes.items()}))
+                value = {s: _communication(p, x) for s, p in pipes.items()}
+                replies.put((rank, request, value, None))
                 continue
             dist.barrier()  # both ranks start the step together
             start = time.perf_counter()
             steps[request]()
-            replies.put((rank, request, time.perf_counter() - start))
+            replies.put((rank, request, time.perf_counter() - start, None))
     except BaseException as error:
-        replies.put((rank, "error", f"{type(error).__name__}: {error}"))
+        replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class Workers:
-    def __init__(self) -> None:
-        context = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.replies = context.Queue()
-        self.requests = [context.Queue() for _ in range(2)]
-        self.processes = [
-            context.Process(
-                target=worker, args=(r, port, self.requests[r], self.replies), daemon=True
-            )
-            for r in range(2)
-        ]
-        for process in self.processes:
-            process.start()
-        self.ask(None, "ready")
-
-    def ask(self, request: str | None, expected: str) -> list[Any]:
-        if request is not None:
-            for q in self.requests:
-                q.put(request)
-        answers: dict[int, Any] = {}
-        while len(answers) < 2:
-            try:
-                rank, what, value = self.replies.get(timeout=REPLY_TIMEOUT_S)
-            except queue.Empty:
-                raise RuntimeError(f"no reply to {expected!r}") from None
-            if what == "error":
-                raise RuntimeError(f"worker {rank}: {value}")
-            answers[rank] = value
-        return [answers[0], answers[1]]
-
-    def stop(self) -> None:
-        for q in self.requests:
-            q.put("stop")
-        for process in self.processes:
-            process.join(timeout=20)
-            if process.is_alive():
-                process.kill()
+        leave_gloo()
 
 
 def main() -> int:
@@ -190,7 +128,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    workers = Workers()
+    workers = WorkerPair(worker, REPLY_TIMEOUT_S)
     wall: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     own: dict[str, list[list[float]]] = {name: [] for name in CONTENDERS}
     try:
