@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from gpipe_fast import _C
 from gpipe_fast.predict import StageCosts, task_costs
@@ -109,24 +110,29 @@ def checkpoint_of(timeline: Timeline) -> str:
     return "always" if recomputes >= timeline.cells * timeline.microbatches else "except_last"
 
 
-def recorded_halves(calibrate: Timeline | Sequence[Timeline]) -> bool:
-    """Whether the recorded steps split their backwards (zero bubble's two halves)."""
-    timelines = [calibrate] if isinstance(calibrate, Timeline) else calibrate
-    return any(s.kind == "backward_input" for t in timelines for s in t.spans)
-
-
 def call_cost(timeline: Timeline) -> float:
     """Seconds a train_step call spent around its tasks (splitting the batch, gathering the
     loss, accumulating input gradients); 0 when the call was not timed (pipe(x))."""
     return max(0.0, timeline.call_s - timeline.makespan) if timeline.call_s > 0 else 0.0
 
 
-def calibrated(
-    calibrate: Timeline | Sequence[Timeline], cells: int, chunks: int
-) -> tuple[list[StageCosts], float, float]:
-    """(stage costs, hand-off seconds per task, seconds per call around the tasks) from
-    recorded steps: medians over them."""
+@dataclass(frozen=True)
+class Calibration:
+    """What recorded steps say of the pipe that ran them: medians over the steps."""
+
+    costs: list[StageCosts]  # per stage
+    handoff: float  # seconds per task between tasks
+    call: float  # seconds per train_step call around its tasks
+    split: bool  # whether the backwards were recorded split (zero bubble's halves measured)
+
+
+def calibrated(calibrate: Timeline | Sequence[Timeline], cells: int, chunks: int) -> Calibration:
+    """The calibration that recorded steps give a plan of `cells` and `chunks`."""
     timelines = check_timelines(calibrate, cells, chunks)
     costs = measured_stage_costs(timelines, cells)
-    handoff = statistics.median(handoff_cost(t, costs) for t in timelines)
-    return costs, handoff, statistics.median(call_cost(t) for t in timelines)
+    return Calibration(
+        costs=costs,
+        handoff=statistics.median(handoff_cost(t, costs) for t in timelines),
+        call=statistics.median(call_cost(t) for t in timelines),
+        split=any(s.kind == "backward_input" for t in timelines for s in t.spans),
+    )

@@ -30,7 +30,7 @@ from gpipe_fast.balance import (
     partition,
     profile_layers,
 )
-from gpipe_fast.calibrate import calibrated, recorded_halves
+from gpipe_fast.calibrate import calibrated
 from gpipe_fast.microbatch import as_tensors, scatter
 from gpipe_fast.predict import StageCosts, predict, task_overhead
 from gpipe_fast.schedules import check_schedule
@@ -208,8 +208,8 @@ def plan(
     split = schedule == "zero_bubble"
     if calibrate is not None:
         assert balance is not None
-        measured, overhead, call = calibrated(calibrate, cells, chunks)
-        if schedule == "zero_bubble" and not recorded_halves(calibrate):
+        calibration = calibrated(calibrate, cells, chunks)
+        if split and not calibration.split:
             warnings.warn(
                 "gf.plan: zero_bubble calibrated from steps whose backwards were not split: "
                 "each half is taken as half a backward, which underestimates small layers "
@@ -217,8 +217,10 @@ def plan(
                 stacklevel=2,
             )
         return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
-                     measured, overhead, _spread(measured, balance), output_bytes,
-                     threads=_cell_threads(workers, device, module), call=call)  # fmt: skip
+                     calibration.costs, calibration.handoff,
+                     _spread(calibration.costs, balance), output_bytes,
+                     threads=_cell_threads(workers, device, module),
+                     call=calibration.call)  # fmt: skip
     if cost == "time":
         threads = _cell_threads(workers, device, module)
         microbatch = scatter(sample, chunks)[0]

@@ -108,7 +108,9 @@ def test_plan_predicts_any_schedule_from_recorded_fill_drain(schedule: str) -> N
     # Zero bubble from unsplit backwards is an estimate, and the plan says so.
     warned = [w for w in caught if "calibrate from a zero_bubble step" in str(w.message)]
     assert len(warned) == (1 if schedule == "zero_bubble" else 0)
-    costs, handoff, call = calibrated(timelines, 2, 4)
+    calibration = calibrated(timelines, 2, 4)
+    costs, handoff, call = calibration.costs, calibration.handoff, calibration.call
+    assert not calibration.split
     # The plan is the schedule simulated with the recorded costs and the solved hand-off,
     # plus what each call spent around its tasks.
     steps = _C.make_schedule(schedule, 2, 2, 4, "never")
@@ -131,7 +133,9 @@ def test_zero_bubble_calibrated_from_its_own_steps_uses_the_measured_halves() ->
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule="zero_bubble", calibrate=timelines)
-    costs, _, _ = calibrated(timelines, 2, 4)
+    calibration = calibrated(timelines, 2, 4)
+    costs = calibration.costs
+    assert calibration.split
     halves = [s for t in timelines for s in t.spans if s.kind == "backward_weight" and s.cell == 0]
     assert len(halves) == 2 * 4
     assert costs[0].backward_weight == statistics.median(s.duration_s for s in halves)
