@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -95,13 +96,10 @@ def _record(pipe: gf.GPipe, x: torch.Tensor, steps: int) -> list[Timeline]:
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
-def test_plan_predicts_any_schedule_from_recorded_fill_drain(schedule: str) -> None:
+def test_plan_predicts_any_schedule_from_recorded_fill_drain(make_pipe: Any, schedule: str) -> None:
     model, x = _model(), torch.randn(16, 16)
-    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
-    try:
-        timelines = _record(pipe, x, 3)
-    finally:
-        pipe.close()
+    pipe = make_pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
+    timelines = _record(pipe, x, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule=schedule, calibrate=timelines)
@@ -123,13 +121,10 @@ def test_plan_predicts_any_schedule_from_recorded_fill_drain(schedule: str) -> N
     assert "calibrated from recorded steps" in str(plan)
 
 
-def test_zero_bubble_calibrated_from_its_own_steps_uses_the_measured_halves() -> None:
+def test_zero_bubble_calibrated_from_its_own_steps_uses_the_measured_halves(make_pipe: Any) -> None:
     model, x = _model(), torch.randn(16, 16)
-    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, schedule="zero_bubble")
-    try:
-        timelines = _record(pipe, x, 2)
-    finally:
-        pipe.close()
+    pipe = make_pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, schedule="zero_bubble")
+    timelines = _record(pipe, x, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plan = gf.plan(model, x, 2, 4, balance=[2, 2], schedule="zero_bubble", calibrate=timelines)
@@ -144,13 +139,12 @@ def test_zero_bubble_calibrated_from_its_own_steps_uses_the_measured_halves() ->
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_one_recorded_step_calibrates_a_plan_that_reproduces_it(checkpoint: str) -> None:
+def test_one_recorded_step_calibrates_a_plan_that_reproduces_it(
+    make_pipe: Any, checkpoint: str
+) -> None:
     model, x = _model(), torch.randn(16, 16)
-    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
-    try:
-        (timeline,) = _record(pipe, x, 1)
-    finally:
-        pipe.close()
+    pipe = make_pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    (timeline,) = _record(pipe, x, 1)
     assert checkpoint_of(timeline) == checkpoint
     plan = gf.plan(model, x, 2, 4, balance=[2, 2], checkpoint=checkpoint, calibrate=timeline)
     if plan.overhead > 0:  # solved so that the simulated step is the recorded call
@@ -159,15 +153,12 @@ def test_one_recorded_step_calibrates_a_plan_that_reproduces_it(checkpoint: str)
         assert plan.step_time >= timeline.call_s * (1 - 1e-9)
 
 
-def test_a_train_step_records_how_long_its_call_took() -> None:
+def test_a_train_step_records_how_long_its_call_took(make_pipe: Any) -> None:
     model, x = _model(), torch.randn(16, 16)
-    pipe = gf.GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
-    try:
-        (step,) = _record(pipe, x, 1)
-        nn.functional.mse_loss(pipe(x), x).backward()
-        by_pipe_call = pipe.timeline()
-    finally:
-        pipe.close()
+    pipe = make_pipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
+    (step,) = _record(pipe, x, 1)
+    nn.functional.mse_loss(pipe(x), x).backward()
+    by_pipe_call = pipe.timeline()
     assert step.call_s > step.makespan > 0
     assert call_cost(step) == pytest.approx(step.call_s - step.makespan)
     assert by_pipe_call.call_s == 0.0 and call_cost(by_pipe_call) == 0.0
