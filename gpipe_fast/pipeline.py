@@ -166,8 +166,10 @@ class Pipeline:
         """Stage `stage`'s gradients summed over the data-parallel group."""
         cell = self.cells[stage]
         assert cell is not None and self.groups is not None
+        # A tied parameter is left to after the backward, once (several cells hold it).
+        tied = self.tied.members if self.tied else set()
         sum_gradients(
-            list(cell.module.parameters()),
+            [p for p in cell.module.parameters() if id(p) not in tied],
             self.layout.dp_group,
             self.groups.guard,
             f"cell {stage}'s gradients from the other replicas",
@@ -344,6 +346,13 @@ class Pipeline:
                 transport.finish()
             if self.tied:
                 self.tied.after_backward(groups.guard, groups.device)
+                if self.layout.dp_group is not None:
+                    sum_gradients(
+                        self.tied.local_tensors(),
+                        self.layout.dp_group,
+                        groups.guard,
+                        "the tied parameters' gradients from the other replicas",
+                    )
             loss = groups.loss(local)
         except BaseException as error:
             self.task_failed(error)

@@ -91,19 +91,25 @@ def retie(cells: Sequence[nn.Module], ties: list[Tie], local: Sequence[bool]) ->
 class TiedGradients:
     """Keeps a pipe's ties in step: replicas refreshed before a step, gradients summed after
     its backward (into the user's parameter in one process; over the pipeline group across
-    processes)."""
+    processes), then over the data-parallel group once per tie, however many cells, devices
+    or ranks hold it."""
 
     def __init__(self, cells: Sequence[nn.Module], ties: list[Tie], layout: Any) -> None:
         self.ties = ties
         self.layout = layout
-        # Across processes: per tie, this process's tensor (None: no cell of it here) and the
-        # shape and dtype that every rank's sum uses.
+        # Per tie: the tensor of this process that ends the step with the tie's whole gradient
+        # (the user's parameter in one process, this rank's copy across processes; None: no
+        # cell of it here), and the shape and dtype that every rank's sum uses.
         self.shared: list[tuple[Tensor | None, torch.Size, torch.dtype]] = []
-        if layout.multi_process:
-            for tie in ties:
-                mine = [_get(cells[c], n) for c, n in tie.places if layout.is_local(c)]
-                any_place = _get(cells[tie.places[0][0]], tie.places[0][1])
-                self.shared.append((mine[0] if mine else None, any_place.shape, any_place.dtype))
+        # Every tensor of a tie held here (copies and replicas): the cells' own gradient
+        # reductions leave them out, since several cells hold them (see reduce_over_replicas).
+        self.members: set[int] = set()
+        for tie in ties:
+            mine = [_get(cells[c], n) for c, n in tie.places if layout.is_local(c)]
+            any_place = _get(cells[tie.places[0][0]], tie.places[0][1])
+            self.shared.append((mine[0] if mine else None, any_place.shape, any_place.dtype))
+            self.members.update(id(t) for t in mine)
+            self.members.update(id(replica) for _, replica in tie.replicas)
 
     def __bool__(self) -> bool:
         return bool(self.ties)
@@ -115,6 +121,8 @@ class TiedGradients:
                     replica.copy_(owner)
 
     def after_backward(self, guard: Any = None, device: torch.device | None = None) -> None:
+        """Each tie's gradient summed into its tensor here: from the replicas on other devices,
+        then, across processes, over the pipeline group."""
         for tie in self.ties:
             for owner, replica in tie.replicas:
                 if replica.grad is None:
@@ -122,7 +130,7 @@ class TiedGradients:
                 grad = replica.grad.to(owner.device)
                 owner.grad = grad if owner.grad is None else owner.grad + grad
                 replica.grad = None
-        if not self.shared:
+        if not self.layout.multi_process:
             return
         requests = []
         for param, shape, dtype in self.shared:
@@ -134,3 +142,7 @@ class TiedGradients:
                 grad = param.grad
             requests.append(dist.all_reduce(grad, group=self.layout.pp_group, async_op=True))
         guard.wait(requests, "the tied parameters' gradients")
+
+    def local_tensors(self) -> list[Tensor]:
+        """This process's tensor of each tie it holds, once each."""
+        return [param for param, _, _ in self.shared if param is not None]

@@ -20,12 +20,15 @@ WIDTH = 5
 VOCAB = 11
 
 
-def model(layers: int, seed: int = 0) -> nn.Sequential:
-    """Linear+Tanh layers in float64, the same weights on every rank and in the test."""
+def model(layers: int, seed: int = 0, ties: tuple[tuple[int, int], ...] = ()) -> nn.Sequential:
+    """Linear+Tanh layers in float64, the same weights on every rank and in the test; each
+    (i, j) of `ties` gives the Linear at module j the weight of the one at module i."""
     torch.manual_seed(seed)
     modules: list[nn.Module] = []
     for _ in range(layers):
         modules += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    for i, j in ties:
+        modules[j].weight = modules[i].weight  # type: ignore[union-attr]
     return nn.Sequential(*modules).double()
 
 
@@ -93,11 +96,12 @@ def train(
     batches: list[int],
     pp: int,
     dp: int,
+    ties: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
     """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients."""
     pp_group, dp_group, replica = groups(pp, dp)
     pipe = gf.GPipe(
-        model(layers), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        model(layers, ties=tuple(map(tuple, ties))), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         pp_group=pp_group, dp_group=dp_group, timeout=60,
     )  # fmt: skip
     steps = []

@@ -31,20 +31,28 @@ def four() -> Iterator[Cluster]:
     cluster.close()
 
 
-def _reference(layers: int, size: int, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """The whole model on the whole batch."""
-    net = dist_cases.model(layers)
+Ties = tuple[tuple[int, int], ...]
+
+
+def _reference(
+    layers: int, size: int, seed: int, ties: Ties = ()
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """The whole model on the whole batch; a tied weight's gradient under each of its names."""
+    net = dist_cases.model(layers, ties=ties)
     x, y = dist_cases.batch(size, seed)
     loss = nn.functional.mse_loss(net(x), y)
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in net.named_parameters()}  # type: ignore[misc]
+    named = net.named_parameters(remove_duplicate=False)
+    return loss.item(), {n: p.grad for n, p in named}  # type: ignore[misc]
 
 
-def _check_steps(results: list[dict[str, Any]], layers: int, batches: list[int]) -> None:
+def _check_steps(
+    results: list[dict[str, Any]], layers: int, batches: list[int], ties: Ties = ()
+) -> None:
     """Each rank's loss is the whole batch's; the ranks' gradients together are the whole
     model's, each parameter on exactly one pipeline rank (replicas agree)."""
     for step, size in enumerate(batches):
-        loss, grads = _reference(layers, size, seed=100 + step)
+        loss, grads = _reference(layers, size, seed=100 + step, ties=ties)
         seen: dict[str, int] = {}
         for rank, result in enumerate(results):
             got = result["steps"][step]
@@ -102,6 +110,36 @@ def test_pipeline_and_data_parallel_on_four_processes(four: Cluster, schedule: s
     results = _run(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
                    checkpoint="except_last", batches=batches, pp=2, dp=2)  # fmt: skip
     _check_steps(results, 4, batches)
+
+
+# (processes, pp, dp, schedule, balance, tie): the Linear at module 0 shares its weight with
+# the one at module 4. With balance [2, 2, 2, 2] that is cells 0 and 2: one pipeline rank holds
+# both under interleaved (a tie within a rank); with [4, 4], cells 0 and 1 on two ranks.
+TIE_LAYOUTS = {
+    "dp alone, tie within the process": (2, 1, 2, "1f1b", [2, 2, 2, 2]),
+    "dp alone, zero bubble": (2, 1, 2, "zero_bubble", [4, 4]),
+    "pp alone, tie within a rank": (2, 2, 1, "interleaved", [2, 2, 2, 2]),
+    "pp x dp, tie within a rank": (4, 2, 2, "interleaved", [2, 2, 2, 2]),
+    "pp x dp, tie across ranks": (4, 2, 2, "1f1b", [4, 4]),
+}
+
+
+@pytest.mark.parametrize("layout", list(TIE_LAYOUTS))
+def test_a_tied_weight_is_reduced_once_per_group(
+    two: Cluster, four: Cluster, layout: str
+) -> None:
+    # One gradient reduction per tied parameter and group, however many cells, ranks or
+    # replicas hold it: each copy ends every step with the whole batch's gradient.
+    processes, pp, dp, schedule, balance = TIE_LAYOUTS[layout]
+    ties = ((0, 4),)
+    batches = [12, 7]
+    cluster = two if processes == 2 else four
+    results = _run(cluster, schedule=schedule, layers=4, balance=balance, chunks=3,
+                   checkpoint="except_last", batches=batches, pp=pp, dp=dp, ties=ties)  # fmt: skip
+    _check_steps(results, 4, batches, ties=ties)
+    for result in results:  # every rank holding a copy checked it
+        names = set(result["steps"][0]["grads"])
+        assert names & {"0.weight", "4.weight"} or pp > 1
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
