@@ -100,8 +100,9 @@ def train(
 ) -> dict[str, Any]:
     """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients."""
     pp_group, dp_group, replica = groups(pp, dp)
+    net = model(layers, ties=tuple(map(tuple, ties)))  # a queue turns the pairs into lists
     pipe = gf.GPipe(
-        model(layers, ties=tuple(map(tuple, ties))), balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
+        net, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         pp_group=pp_group, dp_group=dp_group, timeout=60,
     )  # fmt: skip
     steps = []

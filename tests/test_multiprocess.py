@@ -125,9 +125,7 @@ TIE_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(TIE_LAYOUTS))
-def test_a_tied_weight_is_reduced_once_per_group(
-    two: Cluster, four: Cluster, layout: str
-) -> None:
+def test_a_tied_weight_is_reduced_once_per_group(two: Cluster, four: Cluster, layout: str) -> None:
     # One gradient reduction per tied parameter and group, however many cells, ranks or
     # replicas hold it: each copy ends every step with the whole batch's gradient.
     processes, pp, dp, schedule, balance = TIE_LAYOUTS[layout]
