@@ -20,6 +20,15 @@ from torch import Tensor, nn
 from gpipe_fast.balance import balance_by_params
 from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.layout import check_device, make_layout
+from gpipe_fast.materialize import (
+    ADVICE,
+    InitFn,
+    Uninitialised,
+    describe,
+    materialize,
+    still_uninitialised,
+    warn_uninitialised,
+)
 from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.microbatch import Value, as_tensors
 from gpipe_fast.pipeline import Pipeline
@@ -102,6 +111,7 @@ class GPipe(nn.Module):
         pp_group: Any | None = None,
         dp_group: Any | None = None,
         timeout: float = 300.0,
+        init_fn: InitFn | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -112,6 +122,8 @@ class GPipe(nn.Module):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
         schedule = check_schedule(schedule)
         timeout = _check_timeout(timeout)
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
 
         if pp_group is not None:
             size = dist.get_world_size(pp_group)
@@ -153,10 +165,15 @@ class GPipe(nn.Module):
             replicate_across_devices(cells, self.devices, ties)
         here = [layout.is_local(k) for k in range(len(cells))]
         # Another process's cell stays as it is (on the meta device, it never holds memory).
-        cells = [
-            _materialized(cell, device) if mine else cell
-            for cell, device, mine in zip(cells, self.devices, here, strict=True)
-        ]
+        # Tensors that came from the meta device with no initialisation are remembered: the
+        # pipe refuses to run until they are loaded or set.
+        self._uninitialised: list[Uninitialised] = []
+        for k, device in enumerate(self.devices):
+            if here[k]:
+                cells[k], left = materialize(cells[k], device, init_fn)
+                self._uninitialised += left
+        if self._uninitialised:
+            warn_uninitialised(self._uninitialised)
         retie(cells, ties, here)
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
@@ -164,8 +181,12 @@ class GPipe(nn.Module):
         # Layer name in the original module -> position in partitions, so state_dict keeps
         # the original keys (and, across processes, holds this process's cells only).
         self._cell_of = {name: k for k, cell in enumerate(local) for name in cell._modules}
+        # Every layer's name, so that loading the whole model's state dict on one rank
+        # skips the other ranks' layers but still refuses keys of no layer at all.
+        self._layer_names = {name for name, _ in named}
         self._register_state_dict_hook(_strip_cell_prefix)
         self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
+        self.register_load_state_dict_post_hook(_name_keys_as_the_model)
 
         self._threads_per_cell = _default_threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
@@ -189,6 +210,8 @@ class GPipe(nn.Module):
             else None
         )
         _live_pipes.add(self)
+        if self._pipeline is not None:
+            self._pipeline.sync_copies()
 
     @property
     def threads_per_cell(self) -> int | None:
@@ -223,6 +246,7 @@ class GPipe(nn.Module):
         if self._pipeline is None:  # no cells: the identity, for Tensors only
             as_tensors(input, "input")
             return input
+        self._check_initialised()
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
@@ -240,6 +264,7 @@ class GPipe(nn.Module):
         gradient reaches ``input.grad`` when it requires one."""
         if self._pipeline is None:  # no cells: the loss of the input itself
             return _identity_train_step(input, target, loss_fn)
+        self._check_initialised()
         start = time.perf_counter()
         loss = self._pipeline.train_step(
             input,
@@ -253,6 +278,17 @@ class GPipe(nn.Module):
         if self._pipeline.recording:  # the call's own work around its tasks, for calibration
             self._pipeline.recorded_call_s = time.perf_counter() - start
         return loss
+
+    def _check_initialised(self) -> None:
+        """Refuses to run while a tensor built on the meta device holds no values yet."""
+        if not self._uninitialised:
+            return
+        self._uninitialised = still_uninitialised(self._uninitialised)
+        if self._uninitialised:
+            raise RuntimeError(
+                f"gpipe_fast: {len(self._uninitialised)} tensor(s) built on the meta device hold "
+                f"no values yet: {describe(self._uninitialised)}; {ADVICE}"
+            )
 
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then
@@ -417,21 +453,6 @@ def _single_process_devices(
     return devices[: len(balance)], list(range(len(balance)))
 
 
-def _materialized(cell: nn.Sequential, device: torch.device) -> nn.Sequential:
-    """The cell on `device`; built on the meta device (a model too big for one process), it
-    gets real memory there and each layer's own initialisation (reset_parameters)."""
-    on_meta = any(t.is_meta for t in [*cell.parameters(), *cell.buffers()])
-    if not on_meta:
-        return cell.to(device)
-    cell = cell.to_empty(device=device)
-    with torch.no_grad():
-        for layer in cell.modules():
-            reset = getattr(layer, "reset_parameters", None)
-            if callable(reset):
-                reset()
-    return cell
-
-
 def _cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -589,13 +610,33 @@ def _strip_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, _meta:
 
 
 def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """The model's own keys to the cells' (a checkpoint of torchgpipe's, already in cell keys,
+    passes as it is); keys of layers that other processes run are skipped, so the whole
+    model's state dict loads on every rank; loaded tensors count as initialised."""
+    loaded = set()
     for key in list(state):
         if not key.startswith(prefix):
             continue
-        layer = key[len(prefix) :].split(".", 1)[0]
+        name = key[len(prefix) :]
+        layer = name.split(".", 1)[0]
         cell = module._cell_of.get(layer)
         if cell is not None:
-            state[f"{prefix}partitions.{cell}.{key[len(prefix) :]}"] = state.pop(key)
+            state[f"{prefix}partitions.{cell}.{name}"] = state.pop(key)
+            loaded.add(name)
+        elif layer in module._layer_names:
+            del state[key]  # a layer of another process's cells
+    if module._uninitialised:
+        module._uninitialised = [u for u in module._uninitialised if u.name not in loaded]
+
+
+def _name_keys_as_the_model(module: GPipe, incompatible: Any) -> None:
+    """Missing keys in the model's own names (the error lists them), not the cells'."""
+    for i, key in enumerate(incompatible.missing_keys):
+        head, found, rest = key.partition("partitions.")
+        cell, _, name = rest.partition(".")
+        layer = name.split(".", 1)[0]
+        if found and (not head or head.endswith(".")) and str(module._cell_of.get(layer)) == cell:
+            incompatible.missing_keys[i] = head + name
 
 
 def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:

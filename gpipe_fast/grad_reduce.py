@@ -15,16 +15,16 @@ from gpipe_fast.guard import Guard
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 
 
-def _buckets(params: Sequence[Tensor], limit: int) -> list[list[Tensor]]:
-    """Parameters grouped by dtype and device, each group cut at `limit` bytes."""
+def buckets(params: Sequence[Tensor], limit: int) -> list[list[Tensor]]:
+    """Tensors grouped by dtype and device, each group cut at `limit` bytes."""
     groups: dict[tuple[torch.dtype, torch.device], list[list[Tensor]]] = {}
     for p in params:
-        buckets = groups.setdefault((p.dtype, p.device), [[]])
-        size = sum(q.numel() * q.element_size() for q in buckets[-1])
-        if buckets[-1] and size + p.numel() * p.element_size() > limit:
-            buckets.append([])
-        buckets[-1].append(p)
-    return [bucket for buckets in groups.values() for bucket in buckets]
+        cut = groups.setdefault((p.dtype, p.device), [[]])
+        size = sum(q.numel() * q.element_size() for q in cut[-1])
+        if cut[-1] and size + p.numel() * p.element_size() > limit:
+            cut.append([])
+        cut[-1].append(p)
+    return [bucket for cut in groups.values() for bucket in cut]
 
 
 def sum_gradients(
@@ -38,7 +38,7 @@ def sum_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     pending = []
-    for bucket in _buckets(learning, limit):
+    for bucket in buckets(learning, limit):
         flat = _flatten_dense_tensors([p.grad for p in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for bucket, flat, request in pending:

@@ -39,6 +39,7 @@ from gpipe_fast.recompute_memory import RecomputeMemory
 from gpipe_fast.schedules import ScheduleCache
 from gpipe_fast.step import LossFn, Step
 from gpipe_fast.streams import CellStreams
+from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.tied import TiedGradients
 from gpipe_fast.transport import LocalTransport
 
@@ -174,6 +175,18 @@ class Pipeline:
             self.groups.guard,
             f"cell {stage}'s gradients from the other replicas",
         )
+
+    def sync_copies(self) -> None:
+        """Every copy of a weight starts equal: tied copies across the pipeline group, then
+        every tensor across the data-parallel replicas (sync_copies.py)."""
+        if self.groups is None:
+            return
+        guard = self.groups.guard
+        if self.tied and self.layout.multi_process:
+            broadcast_ties(self.tied, self.layout, guard, self.groups.device)
+        if self.layout.dp_group is not None:
+            modules = [cell.module for cell in self.local_cells]
+            broadcast_replicas(modules, self.layout.dp_group, guard)
 
     def may_draw_random(self) -> bool:
         return any(cell.may_draw_random() for cell in self.local_cells)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import gpt
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -209,3 +210,46 @@ def bad_layouts(rank: int, world: int) -> list[tuple[str, str]]:
         except Exception as error:
             errors.append((type(error).__name__, str(error)))
     return errors
+
+
+def meta_gpt(
+    rank: int, world: int, *, pp: int, dp: int, balance: list[int], schedule: str
+) -> dict[str, Any]:
+    """The small GPT built on the meta device, every rank seeded apart (so that nothing but
+    the pipe makes copies agree), initialised by its init_fn; one training step."""
+    pp_group, dp_group, replica = groups(pp, dp)
+    with torch.device("meta"):
+        net = gpt.gpt(blocks=2)
+    torch.manual_seed(10 + rank)
+    pipe = gf.GPipe(net, balance, chunks=2, schedule=schedule, pp_group=pp_group,
+                    dp_group=dp_group, init_fn=gpt.init_weights, timeout=60)  # fmt: skip
+    state = {name: tensor.tolist() for name, tensor in pipe.state_dict().items()}
+    x, y = gpt.batch(8, seed=3)
+    try:
+        loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp), gpt.loss_fn)
+    finally:
+        pipe.close()
+    return {"state": state, "loss": loss.item(), "grads": grads_by_name(pipe)}
+
+
+def load_whole_model(rank: int, world: int) -> dict[str, Any]:
+    """Each rank of a pp pipe loads the whole model's state dict: its own layers' keys are
+    taken, the other rank's skipped; a key of no layer, or a missing key of its own, raises."""
+    pipe = gf.GPipe(gpt.gpt(blocks=2), [2, 3], pp_group=dist.group.WORLD, timeout=60)
+    whole = gpt.gpt(blocks=2, seed=5).state_dict()
+    errors = {}
+    try:
+        pipe.load_state_dict(whole)
+        state = {name: tensor.tolist() for name, tensor in pipe.state_dict().items()}
+        for name, broken in (
+            ("unknown key", {**whole, "9.weight": torch.zeros(1)}),
+            ("missing key", {k: v for k, v in whole.items() if k not in ("1.fc.bias", "3.bias")}),
+        ):
+            try:
+                pipe.load_state_dict(broken)
+                errors[name] = ""
+            except RuntimeError as error:
+                errors[name] = str(error)
+    finally:
+        pipe.close()
+    return {"state": state, "errors": errors}

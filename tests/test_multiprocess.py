@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import dist_cases
+import gpt
 import pytest
 import torch
 from cluster import Cluster, values
@@ -178,6 +179,57 @@ def test_a_model_on_the_meta_device_is_built_cell_by_cell(two: Cluster) -> None:
                 torch.tensor(grad, dtype=torch.float64),
                 dict(reference.named_parameters())[name].grad,
             )
+
+
+def _gpt_reference(state: dict[str, Any], size: int, replicas: int) -> tuple[float, dict[str, Any]]:
+    """The GPT with the pipe's merged weights, trained on the whole batch."""
+    reference = gpt.gpt(blocks=2)
+    reference.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
+    x, y = gpt.batch(size, seed=3)
+    loss = gpt.loss_fn(reference(x), y)
+    loss.backward()
+    return loss.item(), dict(reference.named_parameters(remove_duplicate=False))
+
+
+@pytest.mark.parametrize(("pp", "dp", "schedule"), [(2, 1, "1f1b"), (2, 2, "zero_bubble")])
+def test_a_gpt_on_the_meta_device_starts_with_equal_copies(
+    two: Cluster, four: Cluster, pp: int, dp: int, schedule: str
+) -> None:
+    # Every rank is seeded apart: the tie's copies (embedding on the first rank, head on the
+    # last) and the data-parallel replicas agree because the pipe makes them.
+    results = values((two if pp * dp == 2 else four).run(
+        "meta_gpt", pp=pp, dp=dp, balance=[2, 3], schedule=schedule
+    ))  # fmt: skip
+    states = [r["state"] for r in results]
+    for state in states[:pp]:  # the pipeline's ranks first in the (dp, pp) mesh
+        assert set(state) & {"0.tokens.weight", "4.weight"}
+    first, last = states[0], states[pp - 1]
+    assert first["0.tokens.weight"] == last["4.weight"]
+    for rank in range(pp, pp * dp):  # each replica equals the first replica's same rank
+        assert states[rank] == states[rank % pp]
+    merged = {k: v for state in states for k, v in state.items()}
+    loss, params = _gpt_reference(merged, 8, dp)
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(loss, rel=1e-6)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(
+                torch.tensor(grad), params[name].grad, msg=f"rank {rank}, {name}"
+            )
+
+
+def test_the_whole_models_state_dict_loads_on_every_rank(two: Cluster) -> None:
+    whole = gpt.gpt(blocks=2, seed=5).state_dict()
+    results = values(two.run("load_whole_model"))
+    keys = [set(r["state"]) for r in results]
+    assert keys[0] | keys[1] == set(whole) and keys[0] and keys[1]
+    for result in results:
+        for name, value in result["state"].items():
+            assert torch.equal(torch.tensor(value), whole[name]), name
+        assert "Unexpected key(s)" in result["errors"]["unknown key"]
+        assert '"9.weight"' in result["errors"]["unknown key"]
+        assert "Missing key(s)" in result["errors"]["missing key"]
+    assert '"1.fc.bias"' in results[0]["errors"]["missing key"]
+    assert '"3.bias"' in results[1]["errors"]["missing key"]
 
 
 def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
