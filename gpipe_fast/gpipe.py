@@ -95,6 +95,11 @@ class GPipe(nn.Module):
     runs cells r, r + P, ...; with ``dp_group``, replicas' gradients are summed over it.
     Every rank then calls :meth:`train_step`. ``timeout`` bounds every wait for another
     rank (seconds); a failure on any rank ends the step on all (README, "Across processes").
+
+    A model built on the meta device gets memory for this process's cells only, each layer's
+    ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
+    that none of them reached is named in a warning, and the pipe refuses to run until it is
+    loaded or set.
     """
 
     def __init__(
