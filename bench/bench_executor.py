@@ -15,7 +15,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.streams import CellStreams
+from gpipe_fast.device.streams import CellStreams
 
 CELLS, CHUNKS = 2, 32
 needs_cuda = pytest.mark.skipif(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpipe_fast.microbatch import gather, scatter
+from gpipe_fast.nn.microbatch import gather, scatter
 
 CHUNKS = [8, 32]
 

@@ -11,18 +11,18 @@ except ImportError as error:  # no silent fallback: the engine is native
         f"the loader said: {error}"
     ) from error
 
-from gpipe_fast.balance import (
+from gpipe_fast.gpipe import GPipe
+from gpipe_fast.guard import PeerFailure
+from gpipe_fast.memory import CellMemoryStats
+from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
+from gpipe_fast.planning.balance import (
     balance_by_costs,
     balance_by_params,
     balance_by_size,
     balance_by_time,
     partition,
 )
-from gpipe_fast.checkpoint import is_checkpointing, is_recomputing
-from gpipe_fast.gpipe import GPipe
-from gpipe_fast.guard import PeerFailure
-from gpipe_fast.memory import CellMemoryStats
-from gpipe_fast.plan import CellPlan, Plan, plan
+from gpipe_fast.planning.plan import CellPlan, Plan, plan
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 __all__ = [

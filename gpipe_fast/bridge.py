@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.microbatch import as_tensors
+from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.step import Step
 
 

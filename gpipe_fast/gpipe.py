@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_fast.balance import balance_by_params
-from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.layout import check_device, make_layout
-from gpipe_fast.materialize import (
+from gpipe_fast.memory import CellMemoryStats, memory_stats
+from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.materialize import (
     ADVICE,
     InitFn,
     Uninitialised,
@@ -29,12 +29,12 @@ from gpipe_fast.materialize import (
     still_uninitialised,
     warn_uninitialised,
 )
-from gpipe_fast.memory import CellMemoryStats, memory_stats
-from gpipe_fast.microbatch import Value, as_tensors
+from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.pipeline import Pipeline
+from gpipe_fast.planning.balance import balance_by_params
 from gpipe_fast.schedules import check_schedule
 from gpipe_fast.step import LossFn
-from gpipe_fast.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.timeline import Timeline
 
 Device = torch.device | str | int
@@ -497,7 +497,7 @@ def _check_checkpoint(checkpoint: object) -> str:
 def _default_balance(module: nn.Sequential, devices: list[torch.device] | None) -> list[int]:
     """Balanced by parameter count over one cell per device (see GPipe), at most one per layer;
     no cells for an empty module."""
-    from gpipe_fast.balance import balance_by_params
+    from gpipe_fast.planning.balance import balance_by_params
 
     if len(module) == 0:
         return []
@@ -580,7 +580,7 @@ def _deny_moving(call: str) -> NoReturn:
 
 def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
     """A buffer (a running statistic) shared by cells could not be kept in step: parameters
-    can (gpipe_fast.tied)."""
+    can (gpipe_fast.nn.tied)."""
     owner: dict[int, tuple[int, str]] = {}
     for k, cell in enumerate(cells):
         for name, tensor in cell.named_buffers():

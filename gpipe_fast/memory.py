@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from gpipe_fast.microbatch import as_tensors
+from gpipe_fast.nn.microbatch import as_tensors
 
 if TYPE_CHECKING:
     from gpipe_fast.pipeline import Pipeline

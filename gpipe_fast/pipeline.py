@@ -25,22 +25,30 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.batchnorm import DeferredBatchNorm
 from gpipe_fast.bridge import Enter, Exit
-from gpipe_fast.cell import Cell
-from gpipe_fast.checkpoint import recomputed_microbatches
+from gpipe_fast.device.recompute_pool import RecomputeMemory
+from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.dist_transport import DistTransport
 from gpipe_fast.grad_reduce import sum_gradients
 from gpipe_fast.layout import ProcessLayout
-from gpipe_fast.microbatch import Value, as_tensors, batch_size, gather, like, scatter, split_sizes
+from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.cell import Cell
+from gpipe_fast.nn.checkpoint import recomputed_microbatches
+from gpipe_fast.nn.microbatch import (
+    Value,
+    as_tensors,
+    batch_size,
+    gather,
+    like,
+    scatter,
+    split_sizes,
+)
+from gpipe_fast.nn.randomness import TaskRandomness
+from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.process_groups import ProcessGroups
-from gpipe_fast.randomness import TaskRandomness
-from gpipe_fast.recompute_memory import RecomputeMemory
 from gpipe_fast.schedules import ScheduleCache
 from gpipe_fast.step import LossFn, Step
-from gpipe_fast.streams import CellStreams
 from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
-from gpipe_fast.tied import TiedGradients
 from gpipe_fast.transport import LocalTransport
 
 REDUCTIONS = ("mean", "sum")

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.cell import Boundary, Cell
-from gpipe_fast.microbatch import Value, as_tensors, like
+from gpipe_fast.nn.cell import Boundary, Cell
+from gpipe_fast.nn.microbatch import Value, as_tensors, like
 from gpipe_fast.transport import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:

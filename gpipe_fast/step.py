@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.cell import AutocastState
-from gpipe_fast.microbatch import Value, as_tensors
-from gpipe_fast.randomness import draw_step_seed
+from gpipe_fast.nn.cell import AutocastState
+from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.nn.randomness import draw_step_seed
 from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.stage import Stage
 from gpipe_fast.transport import ACTIVATION, GRADIENT

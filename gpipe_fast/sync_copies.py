@@ -13,7 +13,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from gpipe_fast.grad_reduce import BUCKET_BYTES, buckets
 from gpipe_fast.guard import Guard
 from gpipe_fast.layout import ProcessLayout
-from gpipe_fast.tied import TiedGradients
+from gpipe_fast.nn.tied import TiedGradients
 
 
 def broadcast_ties(

@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from gpipe_fast.streams import CellStreams
+from gpipe_fast.device.streams import CellStreams
 
 # Activations flow from stage s to s + 1, their gradients from s to s - 1.
 Flow = Literal["activation", "gradient"]

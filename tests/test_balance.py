@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast import balance as gb
+from gpipe_fast.planning import balance as gb
+from gpipe_fast.planning import profile as gp
 
 from helpers import Sleepy, funnel
 
@@ -63,7 +64,7 @@ def assert_same_snapshot(a: dict[str, object], b: dict[str, object]) -> None:
 
 
 def test_layer_costs_by_params_count_elements_plus_one() -> None:
-    assert gb.layer_costs_by_params(funnel()) == [273.0, 4353.0, 65793.0, 4113.0, 273.0]
+    assert gp.layer_costs_by_params(funnel()) == [273.0, 4353.0, 65793.0, 4113.0, 273.0]
 
 
 @pytest.mark.parametrize(("partitions", "want"), [(1, [5]), (2, [2, 3]), (3, [2, 1, 2])])
@@ -94,7 +95,7 @@ def test_balance_by_time_measures_backward_separately() -> None:
     # Backward ms ~0, 30, 5, 5, 5, 5 (the Linear makes gradients flow): [2, 4] (30 | 20).
     module = nn.Sequential(nn.Linear(8, 8), Sleepy(0, 30), *[Sleepy(0, 5) for _ in range(4)])
     x = torch.randn(4, 8)
-    profile = gb.profile_layers(module, x, warmup=1, repeats=3)
+    profile = gp.profile_layers(module, x, warmup=1, repeats=3)
     assert profile.backward[1] > 0.025 and all(0.004 < b < 0.025 for b in profile.backward[2:])
     assert all(f < 0.004 for f in profile.forward)
     assert profile.output_bytes == [4 * 8 * 4] * 6
@@ -137,28 +138,28 @@ def test_timeout_spends_an_even_share_of_the_budget_on_each_layer(monkeypatch) -
     # Each clock read moves 1 ms. A run reads the clock at most 5 times (forward and backward
     # timed, then the budget checked), so a 50 ms share (0.2 s over 4 layers) gives each layer
     # at least 10 runs, and at most 50 (a run reads it at least once).
-    monkeypatch.setattr(gb, "_clock", _FakeClock(0.001))
-    gb.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=0.2)
+    monkeypatch.setattr(gp, "_clock", _FakeClock(0.001))
+    gp.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=0.2)
     assert all(10 <= runs <= 50 for runs in _CountRuns.runs), _CountRuns.runs
     assert len(set(_CountRuns.runs)) == 1  # the same share for every layer
 
     # A budget ten times larger buys about ten times the runs.
-    monkeypatch.setattr(gb, "_clock", _FakeClock(0.001))
-    gb.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=2.0)
+    monkeypatch.setattr(gp, "_clock", _FakeClock(0.001))
+    gp.profile_layers(_counting(4), torch.randn(2, 3), warmup=0, timeout=2.0)
     assert all(100 <= runs <= 500 for runs in _CountRuns.runs), _CountRuns.runs
 
 
 @pytest.mark.parametrize("warmup", [0, 2])
 def test_timeout_zero_measures_each_layer_once(warmup: int) -> None:
-    gb.profile_layers(_counting(3), torch.randn(2, 3), warmup=warmup, timeout=0)
+    gp.profile_layers(_counting(3), torch.randn(2, 3), warmup=warmup, timeout=0)
     assert _CountRuns.runs == [warmup + 1] * 3
 
 
 def test_repeats_count_measured_runs_after_warmup() -> None:
-    gb.profile_layers(_counting(3), torch.randn(2, 3), warmup=2, repeats=4)
+    gp.profile_layers(_counting(3), torch.randn(2, 3), warmup=2, repeats=4)
     assert _CountRuns.runs == [6] * 3
-    gb.profile_layers(_counting(2), torch.randn(2, 3), warmup=1)
-    assert _CountRuns.runs == [1 + gb.DEFAULT_REPEATS] * 2
+    gp.profile_layers(_counting(2), torch.randn(2, 3), warmup=1)
+    assert _CountRuns.runs == [1 + gp.DEFAULT_REPEATS] * 2
 
 
 def test_balance_by_time_takes_torchgpipes_timeout() -> None:
@@ -169,11 +170,11 @@ def test_balance_by_time_takes_torchgpipes_timeout() -> None:
 
 def test_no_backward_where_nothing_learns() -> None:
     module = nn.Sequential(Sleepy(0, 50), Sleepy(0, 50))
-    profile = gb.profile_layers(module, torch.randn(2, 3), warmup=0, repeats=1)
+    profile = gp.profile_layers(module, torch.randn(2, 3), warmup=0, repeats=1)
     assert profile.backward == [0.0, 0.0]
     # ...unless the sample itself needs a gradient.
     x = torch.randn(2, 3, requires_grad=True)
-    profile = gb.profile_layers(module, x, warmup=0, repeats=1)
+    profile = gp.profile_layers(module, x, warmup=0, repeats=1)
     assert min(profile.backward) > 0.04
 
 
@@ -204,7 +205,7 @@ def test_tuple_values_flow_between_layers() -> None:
             return pair[0] + pair[1]
 
     module = nn.Sequential(nn.Linear(4, 4), Split(), Join())
-    profile = gb.profile_layers(module, torch.randn(3, 4), warmup=0, repeats=1)
+    profile = gp.profile_layers(module, torch.randn(3, 4), warmup=0, repeats=1)
     assert profile.output_bytes == [48, 96, 48]
     assert profile.backward[2] > 0.0
 
@@ -215,7 +216,7 @@ def test_layer_output_must_be_tensors() -> None:
             return [x]
 
     with pytest.raises(TypeError, match=r"module\[1\]"):
-        gb.profile_layers(nn.Sequential(nn.ReLU(), Bad()), torch.randn(2, 2), repeats=1)
+        gp.profile_layers(nn.Sequential(nn.ReLU(), Bad()), torch.randn(2, 2), repeats=1)
 
 
 def test_in_place_first_layer_leaves_the_sample_alone() -> None:
@@ -244,9 +245,15 @@ def test_balance_by_time_on_cuda() -> None:
 
 def test_layer_costs_by_size() -> None:
     module, x = widening(), torch.randn(8, 16)
-    assert gb.layer_output_bytes(module, x) == [512, 512, 32768, 512, 512]
-    assert gb.layer_param_bytes(module) == [1088, 1088, 0, 65600, 1088]
-    assert gb.layer_costs_by_size(module, x, param_scale=0.5) == [1056, 1056, 32768, 33312, 1056]
+    assert gp.layer_output_bytes(module, x) == [512, 512, 32768, 512, 512]
+    assert gp.layer_param_bytes(module) == [1088, 1088, 0, 65600, 1088]
+    assert gp.layer_costs_by_size(module, x, param_scale=0.5) == [
+        1056,
+        1056,
+        32768,
+        33312,
+        1056,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -266,9 +273,9 @@ def test_balance_by_size_default_counts_gradients() -> None:
 
 def test_size_chunks_count_activations_per_micro_batch() -> None:
     module = widening()
-    whole = gb.layer_costs_by_size(module, torch.randn(8, 16), param_scale=0.5, chunks=8)
+    whole = gp.layer_costs_by_size(module, torch.randn(8, 16), param_scale=0.5, chunks=8)
     # Output bytes of the 8-row mini-batch over 8 micro-batches: those of one row.
-    assert whole == gb.layer_costs_by_size(module, torch.randn(1, 16), param_scale=0.5)
+    assert whole == gp.layer_costs_by_size(module, torch.randn(1, 16), param_scale=0.5)
     assert whole == [64 + 544, 64 + 544, 4096, 64 + 32800, 64 + 544]
 
 

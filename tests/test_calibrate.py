@@ -14,14 +14,14 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.calibrate import (
+from gpipe_fast.planning.calibrate import (
     calibrated,
     call_cost,
     checkpoint_of,
     handoff_cost,
     measured_stage_costs,
 )
-from gpipe_fast.predict import StageCosts, task_costs
+from gpipe_fast.planning.predict import StageCosts, task_costs
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpipe_fast import _C
-from gpipe_fast.copy import boundary_copy, native_stream
+from gpipe_fast.device.copy import boundary_copy, native_stream
 
 from helpers import device_sleep_cycles
 

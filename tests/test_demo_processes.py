@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_fast.demo_processes import communication_ms, merged_timeline
+from gpipe_fast.demo.processes import communication_ms, merged_timeline
 from gpipe_fast.timeline import TaskSpan
 
 

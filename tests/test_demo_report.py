@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast import demo_report as report
+from gpipe_fast.demo import report as report
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 # Task ids follow _C.gpipe_forward(2, 2) and _C.gpipe_backward(2, 2, [True, False]):

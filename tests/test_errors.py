@@ -40,7 +40,7 @@ def test_module_must_be_sequential() -> None:
 
 
 def test_a_layer_used_by_two_cells_gets_the_gradient_of_both_uses() -> None:
-    # Once refused; now a tie (gpipe_fast.tied): the cells on one device share the tensor.
+    # Once refused; now a tie (gpipe_fast.nn.tied): the cells on one device share the tensor.
     shared = nn.Linear(3, 3).double()
     model = nn.Sequential(shared, nn.ReLU(), shared)
     reference = copy.deepcopy(model)

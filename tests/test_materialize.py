@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_fast.materialize import materialize
+from gpipe_fast.nn.materialize import materialize
 
 
 class Scale(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe_fast.microbatch import gather, scatter, split_sizes
+from gpipe_fast.nn.microbatch import gather, scatter, split_sizes
 
 
 @pytest.mark.parametrize(

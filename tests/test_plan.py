@@ -8,7 +8,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.predict import StageCosts, predict
+from gpipe_fast.planning.predict import StageCosts, predict
 
 from helpers import Sleepy, funnel
 

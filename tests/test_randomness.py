@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.randomness import TaskRandomness
+from gpipe_fast.nn.randomness import TaskRandomness
 
 from helpers import mlp
 
@@ -81,7 +81,7 @@ def test_pass_flags_seen_by_layers(make_pipe, checkpoint: str) -> None:
 
 
 def test_only_cells_that_may_draw_random_numbers_are_probed() -> None:
-    from gpipe_fast.randomness import may_draw_random
+    from gpipe_fast.nn.randomness import may_draw_random
 
     class Custom(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe_fast import randomness
+from gpipe_fast.nn import randomness
 
 from helpers import native_threads, no_hang
 

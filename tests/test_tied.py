@@ -11,7 +11,7 @@ import torch
 from dist_cases import tied_model, tokens
 from torch import nn
 
-from gpipe_fast.tied import find_ties, retie
+from gpipe_fast.nn.tied import find_ties, retie
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

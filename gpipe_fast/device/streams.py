@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast import _C
-from gpipe_fast.copy import boundary_copy, native_stream
+from gpipe_fast.device.copy import boundary_copy, native_stream
 
 
 class CellStreams:

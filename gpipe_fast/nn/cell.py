@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gpipe_fast.batchnorm import frozen_running_stats, plain_batch_norms
-from gpipe_fast.checkpoint import pass_flags
-from gpipe_fast.microbatch import Value, as_tensors, like
-from gpipe_fast.randomness import TaskRandomness, may_draw_random, task_seed
-from gpipe_fast.streams import CellStreams
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
+from gpipe_fast.nn.checkpoint import pass_flags
+from gpipe_fast.nn.microbatch import Value, as_tensors, like
+from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from gpipe_fast.checkpoint import is_recomputing
+from gpipe_fast.nn.checkpoint import is_recomputing
 
 
 class DeferredBatchNorm(_BatchNorm):

@@ -13,26 +13,28 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.balance import (
+from gpipe_fast.arguments import (
+    check_balance,
+    check_choice,
+    check_count,
+    check_int,
+    check_module,
+)
+from gpipe_fast.nn.microbatch import as_tensors, scatter
+from gpipe_fast.planning.balance import partition
+from gpipe_fast.planning.calibrate import calibrated
+from gpipe_fast.planning.predict import StageCosts, predict, task_overhead
+from gpipe_fast.planning.profile import (
     BACKWARD_PER_FORWARD,
     Device,
     Sample,
-    _check_balance,
-    _check_choice,
-    _check_count,
-    _check_int,
-    _check_module,
-    _check_param_scale,
-    _resolve_device,
+    check_param_scale,
     layer_costs_by_params,
     layer_output_bytes,
     layer_param_bytes,
-    partition,
     profile_layers,
+    resolve_device,
 )
-from gpipe_fast.calibrate import calibrated
-from gpipe_fast.microbatch import as_tensors, scatter
-from gpipe_fast.predict import StageCosts, predict, task_overhead
 from gpipe_fast.schedules import check_schedule
 from gpipe_fast.timeline import Timeline
 
@@ -180,19 +182,19 @@ def plan(
     train_step call spent around its tasks is added once (`call_overhead`); nothing is
     timed. It predicts another `schedule` from the step as it ran on this machine.
     """
-    module = _check_module(module)
-    cells = _check_count(partitions, "partitions", len(module))
-    chunks = _check_int(chunks, "chunks", 1)
-    cost = _check_choice(cost, "cost", PLAN_COSTS)
-    checkpoint = _check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
+    module = check_module(module)
+    cells = check_count(partitions, "partitions", len(module))
+    chunks = check_int(chunks, "chunks", 1)
+    cost = check_choice(cost, "cost", PLAN_COSTS)
+    checkpoint = check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
     schedule = check_schedule(schedule)
-    workers = cells if devices is None else _check_int(devices, "devices", 1)
+    workers = cells if devices is None else check_int(devices, "devices", 1)
     if schedule != "interleaved" and workers != cells:
         raise ValueError(f"devices: schedule {schedule!r} runs one cell per device, got {workers}")
     if cells % workers:
         raise ValueError(f"devices ({workers}) must divide partitions ({cells}) when interleaving")
     if balance is not None:
-        balance = _check_balance(balance, cells, len(module))
+        balance = check_balance(balance, cells, len(module))
     if calibrate is not None:
         if balance is None:
             raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
@@ -235,7 +237,7 @@ def plan(
         overhead = task_overhead(cells, workers, chunks, schedule)
     else:
         if cost == "size":
-            scale = _check_param_scale(param_scale)
+            scale = check_param_scale(param_scale)
             layer_costs = [
                 out + scale * params
                 for out, params in zip(output_bytes, layer_param_bytes(module), strict=True)
@@ -312,7 +314,7 @@ def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int |
     or OMP_NUM_THREADS set, which GPipe leaves alone)."""
     from gpipe_fast.gpipe import _default_threads_per_cell
 
-    target = _resolve_device(device, module)
+    target = resolve_device(device, module)
     return _default_threads_per_cell([target] * cells)
 
 

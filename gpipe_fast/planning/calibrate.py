@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpipe_fast import _C
-from gpipe_fast.predict import StageCosts, task_costs
+from gpipe_fast.planning.predict import StageCosts, task_costs
 from gpipe_fast.timeline import COMMUNICATION, Timeline
 
 # Bisection steps for the hand-off cost: 40 halvings of a bound that is at most the step.

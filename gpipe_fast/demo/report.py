@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.microbatch import scatter
+from gpipe_fast.nn.microbatch import scatter
 from gpipe_fast.schedules import ACTIONS
 from gpipe_fast.timeline import Kind
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
-from gpipe_fast import demo_report as report
+from gpipe_fast.demo import report
 
 _INPUTS = 32  # features of the synthetic data
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
@@ -348,9 +348,9 @@ def run_demo(argv: list[str]) -> int:
     """Runs the demo; 0 when gpipe_fast's loss went down."""
     args = _parser().parse_args(argv)
     if args.processes > 1:
-        from gpipe_fast import demo_processes
+        from gpipe_fast.demo import processes  # it imports this module: not at the top
 
-        return demo_processes.run(args)
+        return processes.run(args)
     torch.manual_seed(args.seed)
     devices = _devices(args.cells)
     model = _model(args.width, args.depth, _INPUTS)  # first: its weights do not depend on --steps

@@ -19,7 +19,7 @@ from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
-from gpipe_fast import demo_report as report
+from gpipe_fast.demo import report
 from gpipe_fast.timeline import TaskSpan, Timeline
 
 # Each process's workers: its compute worker (which also posts the sends) and the workers
@@ -36,7 +36,7 @@ def _free_port() -> int:
 def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     os.environ["LOCAL_WORLD_SIZE"] = str(args.processes)  # the cores are shared out by process
-    from gpipe_fast.demo import _INPUTS, _data, _model  # the single-process demo's workload
+    from gpipe_fast.demo.job import _INPUTS, _data, _model  # the single-process demo's workload
 
     dist.init_process_group("gloo", rank=rank, world_size=args.processes)
     try:

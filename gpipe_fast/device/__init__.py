@@ -1,0 +1,1 @@
+"""Streams, events and boundary copies of CPU and CUDA cells, and the native recompute pools."""

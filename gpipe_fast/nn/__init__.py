@@ -1,0 +1,1 @@
+"""What a pipe does to your layers: micro-batches, checkpoints, BatchNorm, randomness, ties."""

@@ -1,0 +1,1 @@
+"""Choosing and predicting: balances from layer costs, plans, simulated steps, calibration."""

@@ -1,0 +1,348 @@
+"""Per-layer costs of a module: parameters, and time and output size measured layer by layer."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import numbers
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gpipe_fast.arguments import check_choice, check_int, check_module, check_seconds
+from gpipe_fast.nn.microbatch import as_tensors
+
+Device = torch.device | str | int
+Sample = Tensor | tuple[Tensor, ...]
+
+TIME_COSTS = ("total", "forward", "backward")
+# Measured runs per layer when neither `repeats` nor `timeout` is given.
+DEFAULT_REPEATS = 5
+# The profilers' clock, in seconds (a name of its own so that tests can drive it).
+_clock = time.perf_counter
+# A backward pass computes gradients for both the inputs and the weights, about two forwards'
+# work; assumed wherever the costs describe the forward (or the layer) but not its backward.
+BACKWARD_PER_FORWARD = 2.0
+
+
+def resolve_device(device: Device | None, module: nn.Module) -> torch.device:
+    """`device`, or where the module already lives (its first parameter or buffer), or CPU."""
+    if device is None:
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device is not a device: {device!r}") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {resolved} was asked for, but CUDA is not available")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def layer_param_counts(module: nn.Sequential) -> list[int]:
+    """Parameter elements of each layer."""
+    return [sum(p.numel() for p in layer.parameters()) for layer in check_module(module)]
+
+
+def layer_param_bytes(module: nn.Sequential) -> list[int]:
+    """Parameter bytes of each layer."""
+    return [
+        sum(p.numel() * p.element_size() for p in layer.parameters())
+        for layer in check_module(module)
+    ]
+
+
+def layer_costs_by_params(module: nn.Sequential) -> list[float]:
+    """Parameter elements of each layer, plus one.
+
+    The one makes a parameter-free layer (an activation, a reshape) weigh as a single element:
+    nothing next to any real layer, yet enough that a run of such layers is spread evenly
+    instead of lying anywhere among equal-cost splits, and a module of only such layers is cut
+    into cells of equal length.
+    """
+    return [float(count + 1) for count in layer_param_counts(module)]
+
+
+@dataclass
+class LayerProfile:
+    """Per-layer measurements of one pass of a sample through a module, layer by layer."""
+
+    forward: list[float]  # seconds, median over the repeats
+    backward: list[float]  # seconds, median over the repeats; 0 where no gradient flows
+    output_bytes: list[int]  # bytes of each layer's output tensors
+    # With split=True: the backward as zero bubble runs it, the input's gradient alone, then
+    # the weights' alone (seconds, medians); empty otherwise.
+    backward_input: list[float] = field(default_factory=list)
+    backward_weight: list[float] = field(default_factory=list)
+
+    def costs(self, cost: str = "total") -> list[float]:
+        """Per-layer seconds of the forward, the backward or both ("total")."""
+        cost = check_choice(cost, "cost", TIME_COSTS)
+        if cost == "forward":
+            return list(self.forward)
+        if cost == "backward":
+            return list(self.backward)
+        return [f + b for f, b in zip(self.forward, self.backward, strict=True)]
+
+
+def _profiling_copy(layer: nn.Module, index: int, device: torch.device) -> nn.Module:
+    """A training-mode copy of `layer` on `device`. Measuring a copy leaves the user's layer
+    exactly as it was: its mode, device, requires_grad flags, .grad and running statistics
+    (BatchNorm's would otherwise move with every profiling forward)."""
+    try:
+        duplicate = copy.deepcopy(layer)
+    except RuntimeError as error:  # e.g. a non-leaf tensor attribute (old-style weight_norm)
+        raise TypeError(
+            f"module[{index}] cannot be deep-copied for profiling ({error}); balance this "
+            "module with balance_by_params or balance_by_costs instead"
+        ) from error
+    return duplicate.to(device).train()
+
+
+def _tensors_of_output(value: object, index: int) -> tuple[Tensor, ...]:
+    return as_tensors(value, f"the output of module[{index}]")
+
+
+def _like(tensors: Sequence[Tensor], template: object) -> Sample:
+    """Packs tensors the way `template` was packed: a lone Tensor or a tuple."""
+    return tuple(tensors) if isinstance(template, tuple) else tensors[0]
+
+
+def _nbytes(tensors: Iterable[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _fresh_input(value: Sample, needs_grad: Sequence[bool]) -> Sample:
+    """`value` as a cell boundary hands it over: fresh autograd leaves. Each is then cloned so
+    that an in-place first op (ReLU(inplace=True)) neither trips over a leaf nor changes the
+    input of the next repeat."""
+    tensors = as_tensors(value, "sample")
+    fresh = [
+        t.detach().requires_grad_(grad).clone() for t, grad in zip(tensors, needs_grad, strict=True)
+    ]
+    return _like(fresh, value)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds `fn(*args)` takes on `device`, waiting for queued kernels on both sides."""
+    _synchronize(device)
+    start = _clock()
+    result = fn(*args)
+    _synchronize(device)
+    return _clock() - start, result
+
+
+def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Tensor]]:
+    """The outputs a gradient can flow into, with an all-ones gradient for each."""
+    roots = [t for t in outputs if t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Sample) -> None:
+    """The backward of zero bubble: the input's gradient alone, then the weights'."""
+    wanted = [t for t in as_tensors(inputs, "sample") if t.requires_grad]
+    if wanted:
+        torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+
+
+def _weight_backward(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
+    torch.autograd.backward(roots, grads, inputs=params)
+
+
+def _profile_layer(
+    layer: nn.Module,
+    value: Sample,
+    needs_grad: Sequence[bool],
+    index: int,
+    device: torch.device,
+    warmup: int,
+    repeats: int | None,
+    budget_s: float | None,
+    split: list[list[float]] | None = None,
+) -> tuple[float, float, Sample]:
+    """Median forward and backward seconds of one layer, and its (detached) output: over
+    `repeats` measured runs after `warmup`, or (repeats None) over as many measured runs as
+    fit in `budget_s` seconds from the layer's first run, at least one. With `split`, the
+    input-gradient and weight-gradient halves of the backward are timed too (an extra
+    forward per run) and their medians appended to split[0] and split[1]."""
+    forward_times: list[float] = []
+    backward_times: list[float] = []
+    halves: tuple[list[float], list[float]] = ([], [])
+    params = [p for p in layer.parameters() if p.requires_grad]
+    output: Any = None
+    started = _clock()
+    run = 0
+    while True:
+        inputs = _fresh_input(value, needs_grad)
+        forward_s, output = _timed(device, layer, inputs)
+        roots, grads = _backward_roots(_tensors_of_output(output, index))
+        backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
+        if split is not None:
+            inputs = _fresh_input(value, needs_grad)
+            roots, grads = _backward_roots(_tensors_of_output(layer(inputs), index))
+            input_s = weight_s = 0.0
+            if roots:
+                input_s = _timed(device, _split_backward, roots, grads, inputs)[0]
+            if roots and params:
+                weight_s = _timed(device, _weight_backward, roots, grads, params)[0]
+        run += 1
+        if run > warmup:
+            forward_times.append(forward_s)
+            backward_times.append(backward_s)
+            if split is not None:
+                halves[0].append(input_s)
+                halves[1].append(weight_s)
+            if repeats is not None:
+                enough = len(forward_times) >= repeats
+            else:
+                enough = budget_s is None or _clock() - started >= budget_s
+            if enough:
+                break
+    detached = _like([t.detach() for t in _tensors_of_output(output, index)], output)
+    if split is not None:
+        split[0].append(statistics.median(halves[0]))
+        split[1].append(statistics.median(halves[1]))
+    return statistics.median(forward_times), statistics.median(backward_times), detached
+
+
+def _check_repeats(repeats: object, timeout: object) -> tuple[int | None, float | None]:
+    """(repeats, None) for a fixed count (5 when neither is given), or (None, timeout)."""
+    if timeout is None:
+        return check_int(DEFAULT_REPEATS if repeats is None else repeats, "repeats", 1), None
+    if repeats is not None:
+        raise TypeError("give repeats (a number of runs) or timeout (seconds), not both")
+    return None, check_seconds(timeout, "timeout")
+
+
+def profile_layers(
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    warmup: int = 2,
+    repeats: int | None = None,
+    timeout: float | None = None,
+    split: bool = False,
+) -> LayerProfile:
+    """Times each layer's forward and backward on `device`, feeding `sample` through the module
+    layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
+    leaves that need a gradient once anything upstream learns. Runs copies of the layers in
+    training mode, so the module itself is left untouched (its parameters' ``.grad``
+    included). `device` defaults to where the module's parameters are (CPU without any).
+
+    Each layer runs `warmup` times unmeasured, then `repeats` measured times (default 5); the
+    medians are kept. Or give `timeout` instead of `repeats`, torchgpipe's keyword: the
+    seconds to spend profiling, shared evenly among the layers; each layer is measured until
+    its share (counted from its first run, warmup included) is spent, at least once, so a
+    layer slower than its share takes longer. `split=True` also times the backward's
+    input-gradient and weight-gradient halves (LayerProfile.backward_input and
+    backward_weight), as the zero-bubble schedule runs them."""
+    module = check_module(module)
+    target = resolve_device(device, module)
+    warmup = check_int(warmup, "warmup", 0)
+    count, budget = _check_repeats(repeats, timeout)
+    per_layer_s = None if budget is None else budget / len(module)
+    tensors = as_tensors(sample, "sample")
+    value = _like([t.to(target) for t in tensors], sample)
+    needs_grad = [t.requires_grad for t in tensors]
+    upstream = any(needs_grad)  # does anything before this layer learn?
+
+    profile = LayerProfile([], [], [])
+    with torch.enable_grad():
+        for index, layer in enumerate(module):
+            work = _profiling_copy(layer, index, target)
+            halves = [profile.backward_input, profile.backward_weight] if split else None
+            forward_s, backward_s, value = _profile_layer(
+                work, value, needs_grad, index, target, warmup, count, per_layer_s, halves
+            )
+            profile.forward.append(forward_s)
+            profile.backward.append(backward_s)
+            profile.output_bytes.append(_nbytes(_tensors_of_output(value, index)))
+            upstream = upstream or any(p.requires_grad for p in work.parameters())
+            needs_grad = [
+                upstream and t.is_floating_point() for t in _tensors_of_output(value, index)
+            ]
+            del work
+    return profile
+
+
+def layer_costs_by_time(
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    warmup: int = 2,
+    repeats: int | None = None,
+    timeout: float | None = None,
+    cost: str = "total",
+) -> list[float]:
+    """Measured seconds per layer (see profile_layers): "forward", "backward" or both."""
+    cost = check_choice(cost, "cost", TIME_COSTS)
+    profile = profile_layers(
+        module, sample, device=device, warmup=warmup, repeats=repeats, timeout=timeout
+    )
+    return profile.costs(cost)
+
+
+def layer_output_bytes(
+    module: nn.Sequential, sample: Sample, *, device: Device | None = None
+) -> list[int]:
+    """Bytes of each layer's output tensors, measured by one forward of `sample` (no graph) on
+    copies of the layers in training mode. Outputs that are views still count in full: at a
+    cell boundary they become tensors of their own."""
+    module = check_module(module)
+    target = resolve_device(device, module)
+    tensors = as_tensors(sample, "sample")
+    # A copy even on the same device: an in-place first layer must not edit the caller's sample.
+    value: Sample = _like([t.detach().to(target, copy=True) for t in tensors], sample)
+    sizes = []
+    with torch.no_grad():
+        for index, layer in enumerate(module):
+            value = _profiling_copy(layer, index, target)(value)
+            sizes.append(_nbytes(_tensors_of_output(value, index)))
+    return sizes
+
+
+def check_param_scale(param_scale: object) -> float:
+    if isinstance(param_scale, bool) or not isinstance(param_scale, numbers.Real):
+        raise TypeError(f"param_scale must be a number, got {type(param_scale).__name__}")
+    if not math.isfinite(param_scale) or param_scale < 0.0:
+        raise ValueError(f"param_scale must be finite and >= 0, got {param_scale}")
+    return float(param_scale)
+
+
+def layer_costs_by_size(
+    module: nn.Sequential,
+    sample: Sample,
+    *,
+    device: Device | None = None,
+    param_scale: float = 2.0,
+    chunks: int = 1,
+) -> list[float]:
+    """Memory per layer in bytes: its output tensors' bytes per micro-batch plus its parameter
+    bytes times `param_scale`. `sample` is one mini-batch, to be split into `chunks`
+    micro-batches (torchgpipe's keyword), so each output's bytes on it are divided by
+    `chunks`. The default param_scale 2.0 counts each parameter's gradient beside it; raise it
+    for optimizer state kept on the same device (Adam's two moments: 4.0)."""
+    scale = check_param_scale(param_scale)
+    chunks = check_int(chunks, "chunks", 1)
+    activations = layer_output_bytes(module, sample, device=device)
+    return [
+        out / chunks + scale * params
+        for out, params in zip(activations, layer_param_bytes(module), strict=True)
+    ]
