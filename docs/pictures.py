@@ -24,8 +24,7 @@ COSTS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0, "backward_input": 1.
 def simulated(kind: str) -> gf.Timeline:
     """The schedule's timeline as the native simulator predicts it with COSTS."""
     workers = STAGES // 2 if kind == "interleaved" else STAGES
-    stages = STAGES if kind != "interleaved" else STAGES
-    schedule = _C.make_schedule(kind, stages, workers, MICROBATCHES, "never")
+    schedule = _C.make_schedule(kind, STAGES, workers, MICROBATCHES, "never")
     costs = [COSTS.get(ACTIONS[task.action], 0.0) for task in schedule.tasks]
     run = _C.simulate(schedule, costs)
     unit_ns = 1_000_000  # a forward is drawn as 1 ms
