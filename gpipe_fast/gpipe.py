@@ -86,8 +86,10 @@ class GPipe(nn.Module):
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
     runs cells r, r + P, ...; with ``dp_group``, replicas' gradients are summed over it.
-    Every rank then calls :meth:`train_step`. ``timeout`` bounds every wait for another
-    rank (seconds); a failure on any rank ends the step on all (README, "Across processes").
+    Every rank then calls :meth:`train_step` (or :meth:`eval_step`, or ``pipe(x)`` under
+    ``torch.no_grad()``: the output on the last cell's rank, None on the others). ``timeout``
+    bounds every wait for another rank (seconds); a failure on any rank ends the step on all
+    (README, "Across processes").
     """
 
     def __init__(
