@@ -102,8 +102,9 @@ class ScheduleCache:
         return self._get(("forward_only", microbatches, loss), build)
 
     def forward(self, microbatches: int) -> Any:
-        """The fill-drain forward run of pipe(x) (a lowered pipe's executor has communication
-        workers too: its forward-only run, whose are idle in one process)."""
+        """The fill-drain forward run of pipe(x). A lowered pipe's executor also has
+        communication workers, so it runs the lowered forward-only schedule (in one process,
+        with dp_group alone, they stay idle)."""
         if self.lowered:
             return self.forward_only(microbatches, loss=False)
         return self._get(

@@ -148,10 +148,7 @@ class Stage:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
         target = step.target(self.index, m)
         with ExitStack() as stack:
-            if self.cell.stream is not None:
-                stack.enter_context(self.cell.streams.on(self.index))
-            if step.autocast.enabled:
-                step.autocast.enter(stack)
+            self._enter_loss_context(stack)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
             value = _scalar_loss(step.loss_fn(like(leaves, output), target))
@@ -173,13 +170,17 @@ class Stage:
         self.outputs[m] = None
         target = step.target(self.index, m)
         with ExitStack() as stack:
-            if self.cell.stream is not None:
-                stack.enter_context(self.cell.streams.on(self.index))
-            if step.autocast.enabled:
-                step.autocast.enter(stack)
+            self._enter_loss_context(stack)
             stack.enter_context(torch.no_grad())
             value = _scalar_loss(step.loss_fn(output, target))
         step.losses[m] = _weighted(value, step.loss_weights[m])
+
+    def _enter_loss_context(self, stack: ExitStack) -> None:
+        """What loss_fn runs under: the stage's stream and the caller's autocast."""
+        if self.cell.stream is not None:
+            stack.enter_context(self.cell.streams.on(self.index))
+        if self.step.autocast.enabled:
+            self.step.autocast.enter(stack)
 
     def backward(self, m: int) -> None:
         grads = self._receive_gradient(m)
