@@ -51,6 +51,12 @@ def link(
 def make_schedule(
     kind: str, stages: int, workers: int, microbatches: int, checkpoint: str = "never"
 ) -> Schedule: ...
+def forward_program(
+    kind: str, stages: int, workers: int, microbatches: int, loss: bool = True
+) -> Program: ...
+def forward_schedule(
+    kind: str, stages: int, workers: int, microbatches: int, loss: bool = True
+) -> Schedule: ...
 def gpipe_forward(
     stages: int, microbatches: int, stage_workers: Sequence[int] = ...
 ) -> Schedule: ...
@@ -66,6 +72,15 @@ def rank_schedule(
     checkpoint: str,
     worker_ranks: Sequence[int],
     reduce_grad: bool,
+    rank: int,
+) -> Schedule: ...
+def rank_forward_schedule(
+    kind: str,
+    stages: int,
+    workers: int,
+    microbatches: int,
+    loss: bool,
+    worker_ranks: Sequence[int],
     rank: int,
 ) -> Schedule: ...
 def lowered_program(

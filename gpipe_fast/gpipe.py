@@ -10,13 +10,15 @@ import os
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_fast.evaluate import eval_step, forward_across_processes
+from gpipe_fast.inputs import check_loss_arguments
 from gpipe_fast.layout import check_device, make_layout
 from gpipe_fast.memory import CellMemoryStats, memory_stats
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
@@ -93,8 +95,10 @@ class GPipe(nn.Module):
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
     runs cells r, r + P, ...; with ``dp_group``, replicas' gradients are summed over it.
-    Every rank then calls :meth:`train_step`. ``timeout`` bounds every wait for another
-    rank (seconds); a failure on any rank ends the step on all (README, "Across processes").
+    Every rank then calls :meth:`train_step` (or :meth:`eval_step`, or ``pipe(x)`` under
+    ``torch.no_grad()``: the output on the last cell's rank, None on the others). ``timeout``
+    bounds every wait for another rank (seconds); a failure on any rank ends the step on all
+    (README, "Across processes").
 
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
@@ -252,6 +256,8 @@ class GPipe(nn.Module):
             as_tensors(input, "input")
             return input
         self._check_initialised()
+        if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
+            return forward_across_processes(self._pipeline, input, self.chunks)  # type: ignore[return-value]
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
@@ -266,21 +272,57 @@ class GPipe(nn.Module):
         its share of the batch; with "sum" they are added. Either way the loss and every
         ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
         (gradients accumulate, as backward() does: zero them between steps). The input's
-        gradient reaches ``input.grad`` when it requires one."""
-        if self._pipeline is None:  # no cells: the loss of the input itself
+        gradient reaches ``input.grad`` when it requires one. Under ``torch.no_grad()`` it
+        raises RuntimeError before running anything: see :meth:`eval_step`."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "gpipe_fast: train_step computes gradients, but grad mode is off "
+                "(torch.no_grad() or torch.inference_mode()); for the loss alone, call "
+                "pipe.eval_step(x, target, loss_fn): it writes no .grad and records no graph"
+            )
+        pipeline = self._pipeline
+        if pipeline is None:  # no cells: the loss of the input itself
             return _identity_train_step(input, target, loss_fn)
         self._check_initialised()
-        start = time.perf_counter()
-        loss = self._pipeline.train_step(
-            input,
-            target,
-            loss_fn,
-            chunks=self.chunks,
-            checkpoint=self.checkpoint,
-            training=self.training,
-            reduction=reduction,
+
+        def train() -> torch.Tensor:
+            return pipeline.train_step(
+                input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
+                training=self.training, reduction=reduction,
+            )  # fmt: skip
+
+        return self._timed_step(train)
+
+    def eval_step(
+        self, input: Value | None, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """The loss of the whole batch, as :meth:`train_step` returns it (the same weighting,
+        the same inputs on each rank), from a forward-only run of every micro-batch: no
+        gradient is computed, no ``.grad`` touched, no graph recorded and no activation kept.
+
+        It runs in the pipe's own mode (dropout active after ``train()``, off after
+        ``eval()``: switch it yourself) and under the caller's autocast. With ``pp_group``
+        every rank calls it and gets the loss; with ``dp_group``, the loss of the batch over
+        every replica."""
+        pipeline = self._pipeline
+        if pipeline is None:  # no cells: the loss of the input itself
+            check_loss_arguments(loss_fn, reduction)
+            with torch.no_grad():
+                return _identity_loss(input, target, loss_fn)
+        self._check_initialised()
+        return self._timed_step(
+            lambda: eval_step(
+                pipeline, input, target, loss_fn, chunks=self.chunks, reduction=reduction
+            )
         )
-        if self._pipeline.recording:  # the call's own work around its tasks, for calibration
+
+    def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Runs a step; while recording, keeps how long the call took (its own work around
+        its tasks, for gf.plan(calibrate=...))."""
+        assert self._pipeline is not None
+        start = time.perf_counter()
+        loss = run()
+        if self._pipeline.recording:
             self._pipeline.recorded_call_s = time.perf_counter() - start
         return loss
 
@@ -644,12 +686,18 @@ def _name_keys_as_the_model(module: GPipe, incompatible: Any) -> None:
             incompatible.missing_keys[i] = head + name
 
 
-def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
-    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
+def _identity_loss(input: Value | None, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    """The loss of an empty pipe: that of the input itself."""
     as_tensors(input, "input")
     loss = loss_fn(input, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
+    return loss
+
+
+def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
+    loss = _identity_loss(input, target, loss_fn)
     if loss.requires_grad:
         loss.backward()
     return loss.detach()

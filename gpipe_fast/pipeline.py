@@ -30,6 +30,7 @@ from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.dist_transport import DistTransport
 from gpipe_fast.grad_reduce import sum_gradients
+from gpipe_fast.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
 from gpipe_fast.layout import ProcessLayout
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.cell import Cell
@@ -41,7 +42,6 @@ from gpipe_fast.nn.microbatch import (
     gather,
     like,
     scatter,
-    split_sizes,
 )
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
@@ -51,7 +51,14 @@ from gpipe_fast.step import LossFn, Step
 from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.transport import LocalTransport
 
-REDUCTIONS = ("mean", "sum")
+# pipe(x) with gradients cannot serve a pipe of several processes: loss.backward() on one rank
+# would not reach the other ranks' cells, nor sum the replicas' gradients.
+GROUPS_NEED_STEPS = (
+    "gpipe_fast: a pipe with pp_group or dp_group cannot run pipe(x) with gradients "
+    "(loss.backward() would not reach the other ranks); on every rank, train with "
+    "pipe.train_step(x, target, loss_fn) and evaluate with pipe.eval_step(x, target, loss_fn), "
+    "or run pipe(x) under torch.no_grad() for the output"
+)
 
 
 def _preload_lazy_imports(random_cells: bool) -> None:
@@ -233,11 +240,8 @@ class Pipeline:
     # -- pipe(x) ---------------------------------------------------------------------------
 
     def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
-        if self.groups is not None:
-            raise RuntimeError(
-                "gpipe_fast: a pipe with pp_group or dp_group trains with "
-                "pipe.train_step(x, target, loss_fn) on every rank, not pipe(x)"
-            )
+        if self.groups is not None and (torch.is_grad_enabled() or self.layout.multi_process):
+            raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.evaluate
         with torch.no_grad():
             microbatches = scatter(input, chunks)
         given = as_tensors(input, "input")
@@ -273,10 +277,7 @@ class Pipeline:
         training: bool,
         reduction: str,
     ) -> Tensor:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        check_loss_arguments(loss_fn, reduction)
         if self.groups is not None:
             return self._train_step_across_processes(
                 input, target, loss_fn, chunks, checkpoint if training else "never", reduction
@@ -285,10 +286,10 @@ class Pipeline:
         batch = batch_size(given, "input")
         with torch.no_grad():
             microbatches = scatter(input, chunks)
-            targets = _scatter_target(target, batch, chunks)
+            targets = scatter_target(target, batch, chunks)
         step, schedule = self._training_step(
             microbatches, [t.requires_grad for t in given], len(microbatches), checkpoint,
-            training, loss_fn, targets, _loss_weights(batch, batch, chunks, reduction),
+            training, loss_fn, targets, loss_weights(batch, batch, chunks, reduction),
         )  # fmt: skip
         if self.tied:
             self.tied.before_step()
@@ -338,25 +339,11 @@ class Pipeline:
         (others may pass None)."""
         groups = self.groups
         assert groups is not None
-        groups.check_usable()
-        first, last = self.layout.is_local(0), self.layout.is_local(self.layout.stages - 1)
-        given = as_tensors(input, "input") if first else ()
-        if first and input is None:
-            raise ValueError(f"input: rank {self.layout.pp_index} runs cell 0 and needs it")
-        if last and target is None:
-            raise ValueError(f"target: rank {self.layout.pp_index} runs the last cell and needs it")
-        try:
-            batch, total = groups.batch(batch_size(given, "input") if first else None)
-        except BaseException as error:
-            self.task_failed(error)
-            raise
-        sizes = split_sizes(batch, chunks)
-        with torch.no_grad():
-            microbatches = scatter(input, chunks) if input is not None and first else []
-            targets = _scatter_target(target, batch, chunks) if last else [None] * len(sizes)
+        share = rank_share(self, input, target, chunks, needs_target=True)
+        given = share.given
         step, schedule = self._training_step(
-            microbatches, [t.requires_grad for t in given], len(sizes), checkpoint, True,
-            loss_fn, targets, _loss_weights(batch, total, chunks, reduction),
+            share.microbatches, [t.requires_grad for t in given], share.count, checkpoint, True,
+            loss_fn, share.targets, loss_weights(share.batch, share.total, chunks, reduction),
         )  # fmt: skip
         try:
             if self.tied:
@@ -378,7 +365,7 @@ class Pipeline:
         except BaseException as error:
             self.task_failed(error)
             raise
-        if first:
+        if given:
             _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
         return loss
 
@@ -390,23 +377,6 @@ class Pipeline:
 
 def _detached(value: Value) -> Value:
     return like([t.detach() for t in as_tensors(value, "output")], value)
-
-
-def _loss_weights(batch: int, total: int, chunks: int, reduction: str) -> list[float]:
-    """Each micro-batch's loss weight: its share of the `total` batch (over every replica)
-    for a mean, 1 for a sum."""
-    sizes = split_sizes(batch, chunks)
-    return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
-
-
-def _scatter_target(target: Any, batch: int, chunks: int) -> list[Any]:
-    """The target split like the input (same micro-batch sizes); ValueError naming `target`
-    when its batch differs."""
-    tensors = as_tensors(target, "target")
-    size = batch_size(tensors, "target")
-    if size != batch:
-        raise ValueError(f"target has batch size {size} (dim 0) but input has {batch}")
-    return scatter(target, chunks)
 
 
 def _accumulate_input_grads(

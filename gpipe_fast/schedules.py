@@ -86,8 +86,27 @@ class ScheduleCache:
 
         return self._get(("step", microbatches, checkpoint), build)  # type: ignore[no-any-return]
 
+    def forward_only(self, microbatches: int, *, loss: bool) -> Any:
+        """The forward-only run of an evaluation: eval_step (with `loss`) or pipe(x) under
+        no_grad across processes (without): the kind's forwards, lowered like its training
+        step when that is lowered."""
+
+        def build() -> Any:
+            if self.lowered:
+                return _C.rank_forward_schedule(
+                    self.kind, self.stages, self.workers, microbatches, loss,
+                    self.worker_ranks, self.rank,
+                )  # fmt: skip
+            return _C.forward_schedule(self.kind, self.stages, self.workers, microbatches, loss)
+
+        return self._get(("forward_only", microbatches, loss), build)
+
     def forward(self, microbatches: int) -> Any:
-        """The fill-drain forward run of pipe(x)."""
+        """The fill-drain forward run of pipe(x). A lowered pipe's executor also has
+        communication workers, so it runs the lowered forward-only schedule (in one process,
+        with dp_group alone, they stay idle)."""
+        if self.lowered:
+            return self.forward_only(microbatches, loss=False)
         return self._get(
             ("forward", microbatches),
             lambda: _C.gpipe_forward(self.stages, microbatches, self.stage_workers),

@@ -59,6 +59,20 @@ def _aligned(
     return tuple(by_id.get(id(t)) for t in tensors)
 
 
+def _scalar_loss(value: object) -> Tensor:
+    """What loss_fn returned, which must be the scalar loss of its micro-batch."""
+    if not isinstance(value, Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(
+            f"loss_fn must return a scalar (0-dim) tensor, the loss of its micro-batch; got {shape}"
+        )
+    return value
+
+
+def _weighted(loss: Tensor, weight: float) -> Tensor:
+    return loss * weight if weight != 1.0 else loss
+
+
 class Stage:
     """Stage `cell.index` of one step (whose shared state is `step`). The executor calls one
     method per task, named as the task's action; each reads what it needs from the step's
@@ -120,7 +134,11 @@ class Stage:
 
     def loss(self, m: int) -> None:
         """The micro-batch's loss, weighted by its share of the batch, and its gradient with
-        respect to the stage's output, handed to this stage's backward."""
+        respect to the stage's output, handed to this stage's backward. In a step that
+        records no graph (an evaluation), the loss alone."""
+        if not self.step.track:
+            self._loss_value(m)
+            return
         step = self.step
         output = self.outputs[m]
         assert output is not None and step.loss_fn is not None, "loss runs after a forward"
@@ -130,19 +148,10 @@ class Stage:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
         target = step.target(self.index, m)
         with ExitStack() as stack:
-            if self.cell.stream is not None:
-                stack.enter_context(self.cell.streams.on(self.index))
-            if step.autocast.enabled:
-                step.autocast.enter(stack)
+            self._enter_loss_context(stack)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
-            value = step.loss_fn(like(leaves, output), target)
-            if not isinstance(value, Tensor) or value.dim() != 0:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise TypeError(
-                    f"loss_fn must return a scalar (0-dim) tensor, the loss of its micro-batch; "
-                    f"got {shape}"
-                )
+            value = _scalar_loss(step.loss_fn(like(leaves, output), target))
             # The weight enters as the loss's incoming gradient: no extra op in the graph.
             weight = step.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
@@ -150,8 +159,28 @@ class Stage:
             if value.requires_grad and wanted:
                 seed = torch.full_like(value, weight)
                 grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
-        step.losses[m] = value.detach() * weight if weight != 1.0 else value.detach()
+        step.losses[m] = _weighted(value.detach(), weight)
         step.transport.deliver(GRADIENT, self.index, m, grads)
+
+    def _loss_value(self, m: int) -> None:
+        """The micro-batch's weighted loss under no_grad: no graph, no gradient for anyone."""
+        step = self.step
+        output = self.outputs[m]
+        assert output is not None and step.loss_fn is not None, "loss runs after a forward"
+        self.outputs[m] = None
+        target = step.target(self.index, m)
+        with ExitStack() as stack:
+            self._enter_loss_context(stack)
+            stack.enter_context(torch.no_grad())
+            value = _scalar_loss(step.loss_fn(output, target))
+        step.losses[m] = _weighted(value, step.loss_weights[m])
+
+    def _enter_loss_context(self, stack: ExitStack) -> None:
+        """What loss_fn runs under: the stage's stream and the caller's autocast."""
+        if self.cell.stream is not None:
+            stack.enter_context(self.cell.streams.on(self.index))
+        if self.step.autocast.enabled:
+            self.step.autocast.enter(stack)
 
     def backward(self, m: int) -> None:
         grads = self._receive_gradient(m)

@@ -217,8 +217,9 @@ class Step:
         return self.context.input_grads
 
     def train(self, schedule: Any) -> Tensor:
-        """Every task of a training step (forward, loss, backward) in one run of `schedule`;
-        the step's loss."""
+        """Every task of a training step (forward, loss, backward), or of an evaluation's
+        forward-only run, in one run of `schedule`; the step's loss (None where this process
+        computed none)."""
         pipeline = self.pipeline
         if self.first_input is not None:
             pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))

@@ -21,13 +21,18 @@ WIDTH = 5
 VOCAB = 11
 
 
-def model(layers: int, seed: int = 0, ties: tuple[tuple[int, int], ...] = ()) -> nn.Sequential:
-    """Linear+Tanh layers in float64, the same weights on every rank and in the test; each
-    (i, j) of `ties` gives the Linear at module j the weight of the one at module i."""
+def model(
+    layers: int, seed: int = 0, ties: tuple[tuple[int, int], ...] = (), dropout: float = 0.0
+) -> nn.Sequential:
+    """Linear+Tanh layers (each followed by Dropout when asked) in float64, the same weights
+    on every rank and in the test; each (i, j) of `ties` gives the Linear at module j the
+    weight of the one at module i."""
     torch.manual_seed(seed)
     modules: list[nn.Module] = []
     for _ in range(layers):
         modules += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if dropout:
+            modules.append(nn.Dropout(dropout))
     for i, j in ties:
         modules[j].weight = modules[i].weight  # type: ignore[union-attr]
     return nn.Sequential(*modules).double()
@@ -119,6 +124,89 @@ def train(
     finally:
         pipe.close()
     return {"steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell}
+
+
+def evaluate(
+    rank: int,
+    world: int,
+    *,
+    schedule: str,
+    layers: int,
+    balance: list[int],
+    chunks: int,
+    batches: list[int],
+    pp: int,
+    dp: int,
+) -> dict[str, Any]:
+    """Per batch: eval_step's loss and pipe(x)'s output under no_grad (each rank passing
+    only what it needs: the input on cell 0's rank, the target on the last cell's), with
+    every .grad still None; then that neither changes the gradients of a train_step, and
+    what train_step under no_grad and pipe(x) with gradients raise."""
+    pp_group, dp_group, replica = groups(pp, dp)
+    pipe = gf.GPipe(
+        model(layers), balance, chunks=chunks, checkpoint="always", schedule=schedule,
+        pp_group=pp_group, dp_group=dp_group, timeout=60,
+    )  # fmt: skip
+    first, last = pipe.layout.is_local(0), pipe.layout.is_local(len(balance) - 1)
+    steps = []
+    try:
+        for step, size in enumerate(batches):
+            x, y = (shard(t, replica, dp) for t in batch(size, seed=100 + step))
+            pipe.record_timeline(step == 0)
+            loss = pipe.eval_step(x if first else None, y if last else None,
+                                  nn.functional.mse_loss)  # fmt: skip
+            if step == 0:
+                kinds = sorted({span.kind for span in pipe.timeline().spans})
+                pipe.record_timeline(False)
+            with torch.no_grad():
+                output = pipe(x if first else None)
+            steps.append({
+                "loss": loss.item(),
+                "output": None if output is None else output.tolist(),
+                "untouched": all(p.grad is None for p in pipe.parameters()),
+            })  # fmt: skip
+        x, y = (shard(t, replica, dp) for t in batch(batches[0], seed=100))
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        trained = grads_by_name(pipe)
+        pipe.eval_step(x, y, nn.functional.mse_loss)
+        errors = []
+        with torch.no_grad():
+            errors.append(_error_of(lambda: pipe.train_step(x, y, nn.functional.mse_loss)))
+        errors.append(_error_of(lambda: pipe(x)))
+        after = grads_by_name(pipe)
+    finally:
+        pipe.close()
+    return {"steps": steps, "replica": replica, "last": last, "kinds": kinds,
+            "trained": trained, "after": after, "errors": errors}  # fmt: skip
+
+
+def _error_of(call: Any) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "none", ""
+
+
+def evaluate_modes(rank: int, world: int, *, schedule: str) -> dict[str, float]:
+    """A model with dropout across 2 processes: eval_step's loss in train() mode, train_step's
+    from the same seed, and eval_step's in eval() mode."""
+    cells = 4 if schedule == "interleaved" else 2
+    pipe = gf.GPipe(model(4, dropout=0.5), [12 // cells] * cells, chunks=3, schedule=schedule,
+                    pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    x, y = batch(10, seed=9)
+    losses = {}
+    try:
+        torch.manual_seed(42)
+        losses["eval_step in train()"] = pipe.eval_step(x, y, nn.functional.mse_loss).item()
+        losses["still training"] = float(pipe.training)
+        torch.manual_seed(42)
+        losses["train_step"] = pipe.train_step(x, y, nn.functional.mse_loss).item()
+        pipe.eval()
+        losses["eval_step in eval()"] = pipe.eval_step(x, y, nn.functional.mse_loss).item()
+    finally:
+        pipe.close()
+    return losses
 
 
 class _Fail(nn.Module):

@@ -232,6 +232,81 @@ def test_the_whole_models_state_dict_loads_on_every_rank(two: Cluster) -> None:
     assert '"3.bias"' in results[1]["errors"]["missing key"]
 
 
+def _check_evaluation(results: list[dict[str, Any]], batches: list[int], replicas: int) -> None:
+    """Each rank's eval_step loss is the whole batch's (over every replica); pipe(x) under
+    no_grad gives its replica's output on the last cell's rank, None elsewhere; no .grad
+    was written, a train_step's gradients stay as they were, and the misuses raise."""
+    net = dist_cases.model(4)
+    for step, size in enumerate(batches):
+        x, y = dist_cases.batch(size, seed=100 + step)
+        with torch.no_grad():
+            loss = nn.functional.mse_loss(net(x), y).item()
+        for rank, result in enumerate(results):
+            got = result["steps"][step]
+            assert got["loss"] == pytest.approx(loss, rel=1e-12), (rank, step)
+            assert got["untouched"], f"rank {rank} wrote a .grad in step {step}"
+            if not result["last"]:
+                assert got["output"] is None, rank
+                continue
+            with torch.no_grad():
+                want = net(dist_cases.shard(x, result["replica"], replicas))
+            torch.testing.assert_close(torch.tensor(got["output"], dtype=torch.float64), want,
+                                       rtol=1e-12, atol=1e-14)  # fmt: skip
+    assert sum(result["last"] for result in results) == replicas  # one output per replica
+    for result in results:
+        # The forward-only schedule: forwards, losses and activations, no backward or reduction.
+        assert set(result["kinds"]) <= {"forward", "loss", "send_forward", "recv_forward"}
+        assert ("loss" in result["kinds"]) == result["last"]
+        assert result["trained"] and result["after"] == result["trained"]
+        (no_grad_kind, no_grad_message), (grad_kind, grad_message) = result["errors"]
+        assert no_grad_kind == "RuntimeError" and "pipe.eval_step" in no_grad_message
+        assert grad_kind == "RuntimeError"
+        assert "pipe.train_step" in grad_message and "pipe.eval_step" in grad_message
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_evaluation_on_two_processes_every_schedule(two: Cluster, schedule: str) -> None:
+    cells = 4 if schedule == "interleaved" else 2  # interleaved: V = 2 cells per process
+    batches = [12, 9, 3]  # even, uneven, fewer rows than micro-batches
+    results = values(two.run("evaluate", schedule=schedule, layers=4, balance=[8 // cells] * cells,
+                             chunks=4, batches=batches, pp=2, dp=1))  # fmt: skip
+    _check_evaluation(results, batches, replicas=1)
+
+
+def test_evaluation_of_data_parallel_replicas_in_one_process_each(two: Cluster) -> None:
+    # dp_group alone: pipe(x) under no_grad runs each replica's own pipeline on its shard.
+    batches = [10, 7]
+    results = values(two.run("evaluate", schedule="zero_bubble", layers=4, balance=[4, 4],
+                             chunks=2, batches=batches, pp=1, dp=2))  # fmt: skip
+    _check_evaluation(results, batches, replicas=2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_evaluation_with_pipeline_and_data_parallel_on_four_processes(
+    four: Cluster, schedule: str
+) -> None:
+    cells = 4 if schedule == "interleaved" else 2
+    batches = [16, 11]
+    results = values(four.run("evaluate", schedule=schedule, layers=4, balance=[8 // cells] * cells,
+                              chunks=3, batches=batches, pp=2, dp=2))  # fmt: skip
+    _check_evaluation(results, batches, replicas=2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_evaluation_keeps_the_mode_the_user_set(two: Cluster, schedule: str) -> None:
+    net = dist_cases.model(4, dropout=0.5).eval()
+    x, y = dist_cases.batch(10, seed=9)
+    with torch.no_grad():
+        plain = nn.functional.mse_loss(net(x), y).item()
+    for losses in values(two.run("evaluate_modes", schedule=schedule)):
+        assert losses["still training"] == 1.0
+        # train(): dropout active, with the very masks train_step draws from the same seed.
+        assert losses["eval_step in train()"] == pytest.approx(losses["train_step"], rel=1e-12)
+        assert losses["eval_step in train()"] != pytest.approx(plain, rel=1e-3)
+        # eval(): dropout off, the plain model's loss.
+        assert losses["eval_step in eval()"] == pytest.approx(plain, rel=1e-12)
+
+
 def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
     for errors in values(two.run("bad_layouts")):
         kinds = [kind for kind, _ in errors]

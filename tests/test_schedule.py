@@ -75,6 +75,23 @@ def test_make_schedule_links_and_validates() -> None:
             assert 0 <= dep < len(schedule.tasks)
 
 
+def test_forward_only_schedules_hold_forwards_and_losses_only() -> None:
+    assert _show(_C.forward_program("zero_bubble", 2, 2, 3)) == [
+        "F0.0 F0.1 F0.2",
+        "F1.0 L1.0 F1.1 L1.1 F1.2 L1.2",
+    ]
+    schedule = _C.forward_schedule("interleaved", 4, 2, 3, loss=False)
+    assert _orders(schedule) == _show(_C.forward_program("interleaved", 4, 2, 3, loss=False))
+    assert {ACTIONS[t.action] for t in schedule.tasks} == {"forward"}
+    # Rank 1 of two (stages 1 and 3): its forwards with their sends, the activations it
+    # receives on its first communication worker, nothing on the second.
+    rank = _C.rank_forward_schedule("interleaved", 4, 2, 3, True, [0, 1], 1)
+    assert rank.workers == 3 and rank.stage_workers == [-1, 0, -1, 0]
+    names = [[ACTIONS[rank.tasks[i].action] for i in rank.order(w)] for w in range(3)]
+    assert set(names[0]) == {"forward", "send_forward", "loss"}
+    assert names[1] == ["recv_forward"] * 6 and names[2] == []
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [

@@ -1,6 +1,7 @@
 // Bindings for actions, tasks, schedules, the generators, the dry run and the simulator.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -43,6 +44,13 @@ Program from_python(const PyProgram& program) {
     for (const auto& [name, stage, microbatch] : steps) order.push_back({action_named(name), stage, microbatch});
   }
   return out;
+}
+
+// Stage s on worker s mod workers, as every generator places them.
+std::vector<int> round_robin(int stages, int workers) {
+  std::vector<int> stage_workers;
+  for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
+  return stage_workers;
 }
 
 }  // namespace
@@ -116,6 +124,23 @@ void bind_schedule(py::module_& m) {
       py::arg("checkpoint") = "never",
       "The validated training-step schedule of a kind: gpipe | 1f1b | interleaved | zero_bubble.");
   m.def(
+      "forward_program",
+      [](const std::string& kind, int stages, int workers, int microbatches, bool loss) {
+        return to_python(forward_only_program(kind, stages, workers, microbatches, loss));
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
+      py::arg("loss") = true,
+      "Each worker's forward-only program of a kind (an evaluation step): its training "
+      "program's forwards in order, each last-stage forward followed by its loss when `loss`.");
+  m.def(
+      "forward_schedule",
+      [](const std::string& kind, int stages, int workers, int microbatches, bool loss) {
+        return std::make_shared<Schedule>(
+            make_forward_schedule(kind, stages, workers, microbatches, loss));
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
+      py::arg("loss") = true, "The validated forward-only schedule of forward_program.");
+  m.def(
       "gpipe_forward",
       [](int stages, int microbatches, std::vector<int> stage_workers) {
         return std::make_shared<Schedule>(gpipe_forward(stages, microbatches, std::move(stage_workers)));
@@ -137,21 +162,28 @@ void bind_schedule(py::module_& m) {
       "rank_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches,
          const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank) {
-        std::vector<int> stage_workers;
-        for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
-        const Lowered lowered =
-            lower(make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)),
-                  stages, microbatches, stage_workers, std::move(worker_ranks), reduce_grad);
-        link_all(lowered, stages, microbatches).validate();  // every rank at once: no deadlock
-        auto schedule = std::make_shared<Schedule>(link_rank(lowered, stages, microbatches, rank));
-        schedule->validate();
-        return schedule;
+        return std::make_shared<Schedule>(rank_schedule(
+            make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)), stages,
+            microbatches, round_robin(stages, workers), std::move(worker_ranks), reduce_grad, rank));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"), py::arg("rank"),
       "Rank `rank`'s schedule of a kind lowered onto ranks (compute worker w on "
       "worker_ranks[w]): its compute workers, then its communication worker (sends, receives, "
       "gradient reductions). Dry-run first across every rank.");
+  m.def(
+      "rank_forward_schedule",
+      [](const std::string& kind, int stages, int workers, int microbatches, bool loss,
+         std::vector<int> worker_ranks, int rank) {
+        return std::make_shared<Schedule>(rank_schedule(
+            forward_only_program(kind, stages, workers, microbatches, loss), stages, microbatches,
+            round_robin(stages, workers), std::move(worker_ranks), false, rank));
+      },
+      py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
+      py::arg("loss"), py::arg("worker_ranks"), py::arg("rank"),
+      "Rank `rank`'s forward-only schedule (see forward_program) lowered onto ranks like "
+      "rank_schedule: sends after the forwards, receives on the communication workers, no "
+      "gradient and no reduction. Dry-run first across every rank.");
   m.def(
       "lowered_program",
       [](const std::string& kind, int stages, int workers, int microbatches,

@@ -316,6 +316,28 @@ Schedule make_schedule(const std::string& kind, int stages, int workers, int mic
   return schedule;
 }
 
+Program forward_only_program(const std::string& kind, int stages, int workers, int microbatches,
+                             bool loss) {
+  Program program = make_program(kind, stages, workers, microbatches, Checkpoint::Never);
+  for (auto& order : program) {
+    const auto dropped = [loss](const TaskKey& key) {
+      return !(key.action == Forward || (loss && key.action == Loss));
+    };
+    order.erase(std::remove_if(order.begin(), order.end(), dropped), order.end());
+  }
+  return program;
+}
+
+Schedule make_forward_schedule(const std::string& kind, int stages, int workers,
+                               int microbatches, bool loss) {
+  std::vector<int> stage_worker;
+  for (int s = 0; s < stages; ++s) stage_worker.push_back(s % std::max(workers, 1));
+  Schedule schedule = link(forward_only_program(kind, stages, workers, microbatches, loss), stages,
+                           microbatches, std::move(stage_worker));
+  schedule.validate();
+  return schedule;
+}
+
 namespace {
 
 // Each worker's stages in increasing order (one worker per stage when `stage_worker` is empty).

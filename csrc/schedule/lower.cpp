@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <tuple>
+#include <utility>
 
 #include "gpipe_fast/error.hpp"
 
@@ -142,6 +143,17 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
   std::vector<int> stage_worker;
   for (int s = 0; s < stages; ++s) stage_worker.push_back(local[static_cast<std::size_t>(lowered.stage_worker[static_cast<std::size_t>(s)])]);
   return link(program, stages, microbatches, std::move(stage_worker));
+}
+
+Schedule rank_schedule(const Program& program, int stages, int microbatches,
+                       std::vector<int> stage_worker, std::vector<int> worker_rank,
+                       bool reduce_grad, int rank) {
+  const Lowered lowered = lower(program, stages, microbatches, std::move(stage_worker),
+                                std::move(worker_rank), reduce_grad);
+  link_all(lowered, stages, microbatches).validate();  // every rank at once: no deadlock
+  Schedule schedule = link_rank(lowered, stages, microbatches, rank);
+  schedule.validate();
+  return schedule;
 }
 
 }  // namespace gpipe_fast

@@ -121,6 +121,38 @@ TEST(program_interleaved_with_one_stage_per_worker_is_1f1b) {
            show(gpipe_fast::one_f_one_b_program(3, 5)));
 }
 
+TEST(program_forward_only_is_each_kinds_forwards_with_the_loss) {
+  // gpipe, 1f1b and zero bubble: the fill-drain forward, a loss after each last-stage forward.
+  const std::string fill_drain = "F0.0 F0.1 F0.2 | F1.0 F1.1 F1.2 | F2.0 L2.0 F2.1 L2.1 F2.2 L2.2";
+  for (const char* kind : {"gpipe", "1f1b", "zero_bubble"}) {
+    CHECK_EQ(show(gpipe_fast::forward_only_program(kind, 3, 3, 3)), fill_drain);
+  }
+  // Interleaved: the training program's forwards, groups depth first through each worker.
+  CHECK_EQ(show(gpipe_fast::forward_only_program("interleaved", 4, 2, 4)),
+           std::string("F0.0 F0.1 F2.0 F2.1 F0.2 F0.3 F2.2 F2.3 | "
+                       "F1.0 F1.1 F3.0 L3.0 F3.1 L3.1 F1.2 F1.3 F3.2 L3.2 F3.3 L3.3"));
+  // Without the loss (pipe(x) across processes): forwards only.
+  CHECK_EQ(show(gpipe_fast::forward_only_program("1f1b", 2, 2, 2, false)),
+           std::string("F0.0 F0.1 | F1.0 F1.1"));
+  CHECK_THROWS(gpipe_fast::forward_only_program("nope", 2, 2, 2), InvalidArgument);
+}
+
+TEST(schedule_forward_only_of_every_kind_validates) {
+  for (const char* kind : {"gpipe", "1f1b", "zero_bubble", "interleaved"}) {
+    const bool interleaved = std::string(kind) == "interleaved";
+    for (int m = 1; m <= 5; ++m) {
+      const Schedule s = gpipe_fast::make_forward_schedule(kind, 4, interleaved ? 2 : 4, m);
+      int losses = 0;
+      for (const Task& t : s.tasks()) {
+        CHECK(t.action == action::Forward || t.action == action::Loss);
+        losses += t.action == action::Loss;
+      }
+      CHECK_EQ(losses, m);
+      CHECK_EQ(static_cast<int>(s.tasks().size()), 4 * m + m);
+    }
+  }
+}
+
 // -- recompute ---------------------------------------------------------------------------------
 
 TEST(recompute_gpipe_always_rebuilds_the_next_microbatch_ahead) {

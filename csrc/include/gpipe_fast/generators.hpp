@@ -60,6 +60,17 @@ Program make_program(const std::string& kind, int stages, int workers, int micro
 Schedule make_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint);
 
+// The forward-only run of an evaluation step (eval_step; pipe(x) across processes): the
+// forwards of `kind`'s training program in its order, each forward of the last stage
+// followed by its Loss when `loss`, and nothing else (no backward, no recompute). For gpipe,
+// 1f1b and zero_bubble that is the fill-drain forward (every stage runs micro-batches 0..M-1
+// in turn); for interleaved, the groups of micro-batches go depth first through each
+// worker's stages, as in training, so that every worker starts early.
+Program forward_only_program(const std::string& kind, int stages, int workers, int microbatches,
+                             bool loss = true);
+Schedule make_forward_schedule(const std::string& kind, int stages, int workers,
+                               int microbatches, bool loss = true);
+
 // The two runs of a fill-drain step driven by pipe(x) and loss.backward(): the forward
 // (micro-batch m runs stage k at tick m + k), and the backward, last micro-batch first, with a
 // Recompute for each micro-batch flagged in `recompute`, placed ahead as in add_recompute.

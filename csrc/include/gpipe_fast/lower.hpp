@@ -39,4 +39,11 @@ Schedule link_all(const Lowered& lowered, int stages, int microbatches);
 // met by communication and left out.
 Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int rank);
 
+// Rank `rank`'s schedule of `program` lowered onto ranks (link_rank), once the schedule of
+// every rank at once (link_all) has been validated: no deadlock across processes, whatever
+// the program (a training step, or the forward-only run of an evaluation).
+Schedule rank_schedule(const Program& program, int stages, int microbatches,
+                       std::vector<int> stage_worker, std::vector<int> worker_rank,
+                       bool reduce_grad, int rank);
+
 }  // namespace gpipe_fast
