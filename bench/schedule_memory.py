@@ -2,9 +2,11 @@
 
 Each stage ends in a counting layer: its forward adds one to a counter and its backward takes
 one away, so the counter's peak is how many micro-batches' activations the stage held at
-once (checkpoint "never"). One train_step per schedule, K = 4 stages (interleaved: 8 stages,
-V = 2 on 4 workers), M = 8 micro-batches. Beside it, the simulator's bubble for the schedule
-with equal stages, a backward twice a forward (zero bubble: halves of one forward each).
+once (checkpoint "never"). One train_step per schedule, K = 4 stages (interleaved and zbv: 8
+stages, V = 2 on 4 workers), M = 8 micro-batches. The counter drops at a split backward's
+input half; the activations a weight gradient still needs are held until it runs, which the
+program shows (held to W). Beside it, the simulator's bubble for the schedule with equal
+stages, a backward twice a forward (zero bubble: halves of one forward each).
 
     python bench/schedule_memory.py
 """
@@ -22,6 +24,7 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.planning.predict import StageCosts, predict
+from gpipe_fast.schedules import placement
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reporting import markdown_table
@@ -65,7 +68,7 @@ class Counter(nn.Module):
 def peaks(schedule: str, stages: int) -> tuple[list[int], list[int]]:
     """Peak micro-batches in flight per stage and per worker (all its stages at once)."""
     workers = [Counter() for _ in range(WORKERS)]
-    counters = [Counter(workers[s % WORKERS]) for s in range(stages)]
+    counters = [Counter(workers[w]) for w in placement(schedule, stages, WORKERS)]
     layers: list[nn.Module] = []
     for counter in counters:
         layers += [nn.Linear(16, 16), counter]
@@ -79,8 +82,24 @@ def peaks(schedule: str, stages: int) -> tuple[list[int], list[int]]:
     return [c.peak for c in counters], [w.peak for w in workers]
 
 
+def program_peaks(schedule: str, stages: int, release: tuple[str, ...]) -> list[int]:
+    """Per worker, the most stage activations its program holds: forwards whose `release`
+    action (of the same stage and micro-batch) has not run yet."""
+    peaks = []
+    for order in _C.program(schedule, stages, WORKERS, CHUNKS):
+        now = peak = 0
+        for action, _stage, _m in order:
+            now += 1 if action == "forward" else -1 if action in release else 0
+            peak = max(peak, now)
+        peaks.append(peak)
+    return peaks
+
+
 def megatron_bound(schedule: str, stages: int) -> list[int]:
-    """Micro-batch-stages a worker holds at most under Megatron's schedules (M >= K)."""
+    """Micro-batch-stages a worker holds at most under Megatron's schedules (M >= K); for
+    zbv, which has no closed form here, what its program holds until the input gradient."""
+    if schedule == "zbv":
+        return program_peaks(schedule, stages, ("backward_input",))
     if schedule == "gpipe":
         return [CHUNKS * stages // WORKERS] * WORKERS
     per_worker = stages // WORKERS
@@ -97,9 +116,11 @@ def predicted_bubble(schedule: str, stages: int) -> float:
 
 def main() -> int:
     rows = []
-    for schedule in ("gpipe", "1f1b", "zero_bubble", "interleaved"):
-        stages = 2 * WORKERS if schedule == "interleaved" else WORKERS
+    for schedule in ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv"):
+        stages = 2 * WORKERS if schedule in ("interleaved", "zbv") else WORKERS
         per_stage, per_worker = peaks(schedule, stages)
+        held = program_peaks(schedule, stages, ("backward", "backward_weight"))
+        share = WORKERS / stages  # a stage's share of a 1F1B stage's activations
         rows.append(
             [
                 schedule,
@@ -107,11 +128,15 @@ def main() -> int:
                 " ".join(map(str, per_stage)),
                 " ".join(map(str, per_worker)),
                 " ".join(map(str, megatron_bound(schedule, stages))),
+                " ".join(map(str, held)),
+                f"{max(held) * share:g}",
                 f"{predicted_bubble(schedule, stages):.1%}",
             ]
         )
     header = ["schedule", "stages on workers", "peak in flight per stage",
-              "peak per worker", "expected (M; K - k; Megatron)", "predicted bubble"]  # fmt: skip
+              "peak per worker", "expected (M; K - k; Megatron; zbv's program)",
+              "held to W per worker (program)", "most held, in 1F1B stages",
+              "predicted bubble"]  # fmt: skip
     print(f"K = {WORKERS} workers, M = {CHUNKS} micro-batches")
     print(markdown_table(header, rows))
     return 0

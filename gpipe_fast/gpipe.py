@@ -35,7 +35,7 @@ from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.planning.balance import balance_by_params
-from gpipe_fast.schedules import check_schedule
+from gpipe_fast.schedules import check_schedule, placement, schedule_kind
 from gpipe_fast.step import LossFn
 from gpipe_fast.timeline import Timeline
 
@@ -90,15 +90,16 @@ class GPipe(nn.Module):
 
     ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
     "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
-    ``devices[s % len(devices)]``, V cells per device's worker) or "zero_bubble" (ZB-H1).
+    ``devices[s % len(devices)]``, V cells per device's worker), "zero_bubble" (ZB-H1) or
+    "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``).
     ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
-    runs cells r, r + P, ...; with ``dp_group``, replicas' gradients are summed over it.
-    Every rank then calls :meth:`train_step` (or :meth:`eval_step`, or ``pipe(x)`` under
-    ``torch.no_grad()``: the output on the last cell's rank, None on the others). ``timeout``
-    bounds every wait for another rank (seconds); a failure on any rank ends the step on all
-    (README, "Across processes").
+    runs cells r, r + P, ... (zbv: r and 2P-1-r); with ``dp_group``, replicas' gradients
+    are summed over it. Every rank then calls :meth:`train_step` (or :meth:`eval_step`, or
+    ``pipe(x)`` under ``torch.no_grad()``: the output on the last cell's rank, None on the
+    others). ``timeout`` bounds every wait for another rank (seconds); a failure on any rank
+    ends the step on all (README, "Across processes").
 
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
@@ -136,16 +137,18 @@ class GPipe(nn.Module):
 
         if pp_group is not None:
             size = dist.get_world_size(pp_group)
-            balance = balance_by_params(size, module) if balance is None else balance
+            if balance is None:  # the cells the schedule runs on each process (1 unless fixed)
+                per = schedule_kind(schedule).stages_per_worker or 1
+                balance = balance_by_params(size * per, module)
             balance = _check_balance(balance, len(module))
             layout = make_layout(pp_group, dp_group, len(balance), schedule)
             device = check_device(devices, layout)
             resolved_devices = [device] * len(balance)
-            stage_workers = [k % size for k in range(len(balance))]
+            stage_workers = [layout.stage_rank(k) for k in range(len(balance))]
         else:
             given_devices = None if devices is None else _resolve_devices(devices)
             if balance is None:
-                balance = _default_balance(module, given_devices)
+                balance = _default_balance(module, given_devices, schedule)
             balance = _check_balance(balance, len(module))
             layout = make_layout(None, dp_group, len(balance), schedule)
             resolved_devices, stage_workers = _single_process_devices(
@@ -481,23 +484,34 @@ def _check_timeout(timeout: object) -> float:
 def _single_process_devices(
     given: list[torch.device] | None, balance: list[int], schedule: str
 ) -> tuple[list[torch.device], list[int]]:
-    """Each cell's device and worker in one process: one device (and worker) per cell, or
-    for the interleaved schedule V cells per given device, cell s on devices[s % D]."""
-    devices = _default_devices(len(balance)) if given is None else given
-    if schedule == "interleaved" and balance:
-        workers = len(devices)
-        if len(balance) % workers != 0:
-            raise ValueError(
-                f"balance: the interleaved schedule needs len(balance) ({len(balance)}) to "
-                f"be a multiple of len(devices) ({workers}): V cells per device"
-            )
-        stage_workers = [k % workers for k in range(len(balance))]
-        return [devices[w] for w in stage_workers], stage_workers
-    if len(devices) < len(balance):
-        raise TooFewDevicesError(
-            f"devices: {len(balance)} cells need {len(balance)} devices, got {len(devices)}"
+    """Each cell's device and worker in one process, placed by the schedule's kind: one
+    device (and worker) per cell; for zbv two cells per device, cells s and 2D-1-s on
+    devices[s]; for the interleaved schedule V cells per given device, cell s on
+    devices[s % D]. Devices beyond those the cells need are left out."""
+    per = schedule_kind(schedule).stages_per_worker
+    cells = len(balance)
+    devices = _default_devices(cells // per if per else cells) if given is None else given
+    if not balance:
+        return [], []
+    if per and cells % per:
+        raise ValueError(
+            f"balance: the {schedule} schedule runs {per} cells per device, so len(balance) "
+            f"({cells}) must be a multiple of {per}"
         )
-    return devices[: len(balance)], list(range(len(balance)))
+    if not per and not devices:
+        raise TooFewDevicesError(f"devices: {cells} cells need at least one device, got none")
+    workers = cells // per if per else len(devices)
+    if len(devices) < workers:
+        raise TooFewDevicesError(
+            f"devices: {cells} cells need {workers} devices, got {len(devices)}"
+        )
+    if not per and cells % workers:
+        raise ValueError(
+            f"balance: the {schedule} schedule needs len(balance) ({cells}) to be a multiple "
+            f"of len(devices) ({workers}): V cells per device"
+        )
+    stage_workers = placement(schedule, cells, workers)
+    return [devices[w] for w in stage_workers], stage_workers
 
 
 def _cpu_cores() -> int:
@@ -536,9 +550,12 @@ def _check_checkpoint(checkpoint: object) -> str:
     return mode
 
 
-def _default_balance(module: nn.Sequential, devices: list[torch.device] | None) -> list[int]:
-    """Balanced by parameter count over one cell per device (see GPipe), at most one per layer;
-    no cells for an empty module."""
+def _default_balance(
+    module: nn.Sequential, devices: list[torch.device] | None, schedule: str
+) -> list[int]:
+    """Balanced by parameter count over one cell per device (see GPipe), or as many per
+    device as the schedule runs (two for zbv), at most one per layer; no cells for an empty
+    module."""
     from gpipe_fast.planning.balance import balance_by_params
 
     if len(module) == 0:
@@ -550,7 +567,9 @@ def _default_balance(module: nn.Sequential, devices: list[torch.device] | None) 
     else:
         available = _cpu_cores()
     # With no devices at all, still one cell, so that the device check below names them.
-    return balance_by_params(min(len(module), max(1, available)), module)
+    per = schedule_kind(schedule).stages_per_worker or 1
+    workers = max(1, min(available, len(module) // per))
+    return balance_by_params(min(len(module), per * workers), module)
 
 
 def _default_devices(cells: int) -> list[torch.device]:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_fast.schedules import SCHEDULES, placement, schedule_kind
+
 
 def _ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
@@ -16,14 +18,16 @@ def _ranks(group: Any) -> list[int]:
 
 @dataclass(frozen=True)
 class ProcessLayout:
-    """This process's place: stage s runs on the rank of pp_group at position s % pp_size
-    (stages_per_rank of them on each), replicated over dp_group."""
+    """This process's place: stage s runs on the rank of pp_group at position stage_ranks[s]
+    (the schedule kind's placement of the stages on the pp_size processes), replicated over
+    dp_group."""
 
     pp_group: Any | None
     dp_group: Any | None
     pp_ranks: tuple[int, ...]  # global ranks of the pipeline group, in group order
     pp_index: int  # this process's position in the pipeline group
     stages: int
+    stage_ranks: tuple[int, ...] = ()  # position of each stage's process (empty: all here)
 
     @property
     def pp_size(self) -> int:
@@ -35,7 +39,7 @@ class ProcessLayout:
 
     def stage_rank(self, stage: int) -> int:
         """The position in the pipeline group of the process that runs `stage`."""
-        return stage % self.pp_size
+        return self.stage_ranks[stage] if self.stage_ranks else 0
 
     def is_local(self, stage: int) -> bool:
         return self.stage_rank(stage) == self.pp_index
@@ -66,10 +70,14 @@ def make_layout(
             f"balance: {stages} cells cannot be shared by a pp_group of {len(ranks)} processes; "
             f"give a multiple of {len(ranks)} (V cells per process)"
         )
-    if stages > len(ranks) and schedule != "interleaved":
+    per_process = stages // len(ranks)
+    per = schedule_kind(schedule).stages_per_worker
+    if per and per_process != per:
+        fits = [k for k in SCHEDULES if schedule_kind(k).stages_per_worker in (0, per_process)]
         raise ValueError(
-            f"balance: {stages} cells on {len(ranks)} processes means several cells per process, "
-            f"which only schedule='interleaved' runs; give {len(ranks)} cells or that schedule"
+            f"balance: {stages} cells on {len(ranks)} processes means {per_process} cells per "
+            f"process, but schedule={schedule!r} runs {per}; give {per * len(ranks)} cells "
+            f"or a schedule that runs {per_process}: {', '.join(map(repr, fits))}"
         )
     if dp_group is not None:
         shared = set(ranks) & set(_ranks(dp_group))
@@ -78,7 +86,8 @@ def make_layout(
                 f"dp_group: it overlaps pp_group in ranks {sorted(shared)}; a mesh's dp and pp "
                 "groups share only this process (init_device_mesh(..., ('dp', 'pp')))"
             )
-    return ProcessLayout(pp_group, dp_group, ranks, dist.get_rank(pp_group), stages)
+    stage_ranks = tuple(placement(schedule, stages, len(ranks)))
+    return ProcessLayout(pp_group, dp_group, ranks, dist.get_rank(pp_group), stages, stage_ranks)
 
 
 def default_device() -> torch.device:

@@ -11,7 +11,7 @@
 
 `train_step(x, target, loss_fn)` runs one schedule of every task instead (forward, loss,
 recompute, backward or its input and weight halves), in the order of its kind: "gpipe",
-"1f1b", "interleaved" or "zero_bubble" (see csrc/include/gpipe_fast/generators.hpp).
+"1f1b", "interleaved", "zero_bubble" or "zbv" (the registry: csrc/schedule/kinds.cpp).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from gpipe_fast.nn.microbatch import (
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.process_groups import ProcessGroups
-from gpipe_fast.schedules import ScheduleCache
+from gpipe_fast.schedules import ScheduleCache, schedule_kind
 from gpipe_fast.step import LossFn, Step
 from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.transport import LocalTransport
@@ -76,8 +76,8 @@ def _preload_lazy_imports(random_cells: bool) -> None:
 
 class Pipeline:
     """The stages (cells), their devices and streams, and the executor whose workers run them.
-    Stage k runs on worker stage_workers[k]: one worker per stage, except for the interleaved
-    schedule, whose workers (one per device given) run several stages each."""
+    Stage k runs on worker stage_workers[k], placed by the schedule's kind: one worker per
+    stage, or several stages per worker (interleaved, zbv)."""
 
     def __init__(
         self,
@@ -97,12 +97,13 @@ class Pipeline:
         self.devices = list(devices)
         self.stage_workers = list(stage_workers or range(len(modules)))
         # Across processes this one runs its cells on one compute worker (stage s of the
-        # whole pipeline is on worker s mod P); others' cells are placeholders here.
+        # whole pipeline is on the worker of its rank, placed by the kind); others' cells are
+        # placeholders here.
         local = [self.layout.is_local(k) for k in range(len(modules))]
         worker_ranks = None
         if self.layout.multi_process:
             worker_ranks = list(range(self.layout.pp_size))
-            self.stage_workers = [k % self.layout.pp_size for k in range(len(modules))]
+            self.stage_workers = [self.layout.stage_rank(k) for k in range(len(modules))]
         reduce_grad = self.layout.dp_group is not None
         # The learning flags of every cell (also those of other processes: they decide
         # which inputs need a gradient).
@@ -116,6 +117,7 @@ class Pipeline:
             )
         ]
         self.kind = schedule
+        self.split_backward = schedule_kind(schedule).split_backward
         self.schedules = ScheduleCache(
             self.stage_workers,
             schedule,
@@ -317,7 +319,7 @@ class Pipeline:
         schedule, flags = self.schedules.train_step(count, checkpoint if training else "never")
         step = Step(
             self, microbatches, input_needs_grad, flags, True,
-            count=count, split=self.kind == "zero_bubble",
+            count=count, split=self.split_backward,
         )  # fmt: skip
         context = step.context
         context.loss_fn = loss_fn

@@ -11,7 +11,7 @@ from torch import Tensor
 from gpipe_fast.nn.cell import AutocastState
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.randomness import draw_step_seed
-from gpipe_fast.schedules import ACTIONS
+from gpipe_fast.schedules import actions
 from gpipe_fast.stage import Stage
 from gpipe_fast.transport import ACTIVATION, GRADIENT
 
@@ -43,6 +43,12 @@ def _missing_action(name: str, stage: int) -> Callable[[int], None]:
         raise NotImplementedError(f"stage {stage} has no method for action {name!r}")
 
     return run
+
+
+def _method(stage: Stage | None, name: str, index: int) -> Callable[[int], None]:
+    """The stage's method for action `name` (an attribute that is not callable is none)."""
+    method = getattr(stage, name, None)
+    return method if callable(method) else _missing_action(name, index)
 
 
 class StepContext:
@@ -135,13 +141,12 @@ class Step:
             None if cell is None else Stage(cell, self.context, last=k == len(cells) - 1)
             for k, cell in enumerate(cells)
         ]
-        # The dispatch table: handlers[action id][stage] is that stage's method for it.
+        # The dispatch table: handlers[action id][stage] is that stage's method for it, for
+        # every action registered now (more may be registered between steps).
+        self.action_names = actions()
         self.handlers = [
-            [
-                getattr(stage, name, None) or _missing_action(name, k)
-                for k, stage in enumerate(self.stages)
-            ]
-            for name in ACTIONS
+            [_method(stage, name, k) for k, stage in enumerate(self.stages)]
+            for name in self.action_names
         ]
         self.backward_done = False
         self.gathered: tuple[Tensor, ...] = ()
@@ -171,7 +176,7 @@ class Step:
         except BaseException as error:
             owner = self.stages[stage]
             copying = owner is not None and owner.copying
-            annotate(error, stage, microbatch, ACTIONS[action], copying=copying)
+            annotate(error, stage, microbatch, self.action_names[action], copying=copying)
             if owner is not None:
                 owner.copying = False
             self.pipeline.task_failed(error)
@@ -227,9 +232,9 @@ class Step:
         if expect is not None:  # across processes: every receive's header, posted ahead
             flows = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
             expect([
-                (flows[ACTIONS[t.action]], t.stage, t.microbatch)
+                (flows[self.action_names[t.action]], t.stage, t.microbatch)
                 for t in schedule.tasks
-                if ACTIONS[t.action] in flows
+                if self.action_names[t.action] in flows
             ])  # fmt: skip
         pipeline.execute(schedule, self, "step")
         for device in {pipeline.devices[k] for k, stage in enumerate(self.stages) if stage}:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gpipe_fast import _C
+from gpipe_fast.schedules import actions, communication_actions, ideal_bubble, schedule_kind
+
 # The runs of a step: pipe(x)'s forward, loss.backward()'s backward, or a train_step.
 Phase = Literal["forward", "backward", "step"]
 _PHASES: tuple[Phase, ...] = ("forward", "backward", "step")
@@ -33,10 +36,6 @@ _LETTER = {
     "recv_backward": "rB",
     "reduce_grad": "AR",
 }
-# What communication workers do: not the compute a bubble is measured against.
-COMMUNICATION = frozenset(
-    {"send_forward", "recv_forward", "send_backward", "recv_backward", "reduce_grad"}
-)
 _COLOUR = {
     "forward": "#4c72b0",
     "recompute": "#dd8452",
@@ -76,9 +75,9 @@ class TaskSpan:
     ``task`` is the task's id in its phase's schedule (``_C.gpipe_forward`` for "forward",
     ``_C.gpipe_backward`` for "backward", the train_step's schedule for "step"). ``cell`` is
     the task's stage, ``worker`` the worker thread that ran it (the same but for the
-    interleaved schedule, whose workers run several stages). The "copy" kind is reserved for
-    boundary copies timed on their own; gpipe_fast records none at present (a copy is part
-    of its task).
+    interleaved and zbv schedules, whose workers run several stages). The "copy" kind is
+    reserved for boundary copies timed on their own; gpipe_fast records none at present (a
+    copy is part of its task).
     """
 
     phase: Phase
@@ -115,7 +114,7 @@ class Timeline:
     no worker and is left out of :attr:`makespan` and :meth:`bubble`.
 
     ``cells`` counts the stages, ``workers`` the worker threads that ran them (as many, but
-    for the interleaved schedule). ``clocks`` names, per worker, what timed its spans (see
+    for the interleaved and zbv schedules). ``clocks`` names, per worker, what timed its spans (see
     :class:`TaskSpan`): "host" on CPU, "cuda" (CUDA events on its stream) on CUDA devices;
     empty when unknown. ``schedule`` is the kind of the train_step's schedule ("gpipe" for
     pipe(x) and its backward). ``call_s`` is how long the ``train_step`` call took, from
@@ -150,14 +149,13 @@ class Timeline:
         """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``), and
         optionally the executor's ``worker_clocks()``, the train_step's schedule kind and
         its call's duration."""
-        from gpipe_fast.schedules import ACTIONS
-
         if not runs:
             raise ValueError("a timeline needs at least one run")
         first = runs[0][1]
         worker_clocks = tuple(_clock(name) for name in clocks)
         if worker_clocks and len(worker_clocks) != first.workers:
             raise ValueError(f"got {len(worker_clocks)} clocks for {first.workers} workers")
+        names = actions()
         raw = [(phase, schedule, *span) for phase, schedule, spans in runs for span in spans]
         origin = min((start_ns for *_, start_ns, _end in raw), default=0)
         spans_out = []
@@ -166,7 +164,7 @@ class Timeline:
             spans_out.append(
                 TaskSpan(
                     phase=phase,
-                    kind=ACTIONS[task.action],
+                    kind=names[task.action],
                     cell=task.stage,
                     microbatch=task.microbatch,
                     start_s=(start_ns - origin) * _NS,
@@ -217,7 +215,8 @@ class Timeline:
 
     def compute_rows(self) -> list[int]:
         """The workers that compute (not those that only communicate)."""
-        rows = sorted({s.row for s in self.spans if s.kind not in COMMUNICATION})
+        communication = communication_actions()
+        rows = sorted({s.row for s in self.spans if s.kind not in communication})
         return rows or list(range(self.rows))
 
     def bubble(self) -> float:
@@ -238,15 +237,23 @@ class Timeline:
 
     @property
     def ideal_bubble(self) -> float:
-        """The schedule's bubble with equal-cost stages and no overheads (a backward twice a
-        forward): (K-1)/(M+K-1) for fill-drain and 1F1B; (D-1)/(VM+D-1) interleaving V
-        stages on each of D workers; (K-1)/(3M+K-1) for ZB-H1 (input and weight gradients
-        each as costly as a forward)."""
-        k, m = len(self.compute_rows()), self.microbatches
-        if self.schedule == "zero_bubble":
-            return (k - 1) / (3 * m + k - 1)
-        v = self.cells // max(k, 1)
-        return (k - 1) / (v * m + k - 1)
+        """The bubble of the step's schedule with equal-cost stages and no overheads (a
+        forward 1, a backward 2, each half of it 1): the schedule kind's step simulated
+        natively (gf._C.ideal_bubble); for pipe(x) and its backward on workers that run
+        several cells, their fill-drain runs on those workers."""
+        workers, microbatches = len(self.compute_rows()), self.microbatches
+        stages_per_worker = schedule_kind(self.schedule).stages_per_worker
+        if stages_per_worker == 0 or self.cells == stages_per_worker * workers:
+            return ideal_bubble(self.schedule, self.cells, workers, microbatches)
+        placement = {s.cell: s.row for s in self.spans}
+        stage_workers = [placement.get(cell, cell) for cell in range(self.cells)]
+        runs = [
+            _C.gpipe_forward(self.cells, microbatches, stage_workers),
+            _C.gpipe_backward(self.cells, microbatches, [False] * microbatches, stage_workers),
+        ]
+        costs = [_C.unit_costs(run) for run in runs]
+        makespan = sum(_C.simulate(r, c).makespan for r, c in zip(runs, costs, strict=True))
+        return 1.0 - sum(map(sum, costs)) / (workers * makespan)
 
     # -- outputs -----------------------------------------------------------------------------
 

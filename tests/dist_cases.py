@@ -191,7 +191,7 @@ def _error_of(call: Any) -> tuple[str, str]:
 def evaluate_modes(rank: int, world: int, *, schedule: str) -> dict[str, float]:
     """A model with dropout across 2 processes: eval_step's loss in train() mode, train_step's
     from the same seed, and eval_step's in eval() mode."""
-    cells = 4 if schedule == "interleaved" else 2
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
     pipe = gf.GPipe(model(4, dropout=0.5), [12 // cells] * cells, chunks=3, schedule=schedule,
                     pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
     x, y = batch(10, seed=9)
@@ -248,7 +248,7 @@ def fail(rank: int, world: int, *, failing_rank: int, kill: bool = False) -> dic
 def tied(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
     """The tied language model with its embedding on rank 0 and head on rank 1: each rank's
     copy of the shared weight ends the step with the whole gradient."""
-    cells = 4 if schedule == "interleaved" else 2
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
     balance = [1, 1, 1, 1] if cells == 4 else [1, 3]
     pipe = gf.GPipe(tied_model(), balance, chunks=3, schedule=schedule,
                     pp_group=dist.group.WORLD, timeout=60)  # fmt: skip

@@ -13,7 +13,7 @@ from torch import nn
 
 import gpipe_fast as gf
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 MODES = ("never", "except_last", "always")
 
 
@@ -28,8 +28,8 @@ def _model(stages: int, width: int = 5, *, dropout: float = 0.0) -> nn.Sequentia
 
 
 def _pipe(make_pipe: Any, model: nn.Sequential, schedule: str, **kwargs: Any) -> gf.GPipe:
-    """Four cells; the interleaved schedule runs them on two workers (V = 2)."""
-    devices = ["cpu"] * (2 if schedule == "interleaved" else 4)
+    """Four cells; interleaved and zbv run them on two workers (two cells each)."""
+    devices = ["cpu"] * (2 if schedule in ("interleaved", "zbv") else 4)
     per = len(model) // 4
     return make_pipe(model, [per] * 4, devices=devices, schedule=schedule, **kwargs)  # type: ignore[no-any-return]
 

@@ -15,7 +15,7 @@ import torch
 from cluster import Cluster, values
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def _run(cluster: Cluster, **kwargs: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_processes_every_schedule(two: Cluster, schedule: str) -> None:
-    cells = 4 if schedule == "interleaved" else 2  # interleaved: V = 2 cells per process
+    cells = 4 if schedule in ("interleaved", "zbv") else 2  # V = 2 cells per process
     batches = [12, 9, 3]  # even, uneven, fewer rows than micro-batches
     results = _run(two, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=4,
                    checkpoint="except_last", batches=batches, pp=2, dp=1)  # fmt: skip
@@ -106,7 +106,7 @@ def test_data_parallel_replicas_in_one_process_each(two: Cluster) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_and_data_parallel_on_four_processes(four: Cluster, schedule: str) -> None:
-    cells = 4 if schedule == "interleaved" else 2
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
     batches = [16, 11]
     results = _run(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
                    checkpoint="except_last", batches=batches, pp=2, dp=2)  # fmt: skip
@@ -122,6 +122,7 @@ TIE_LAYOUTS = {
     "pp alone, tie within a rank": (2, 2, 1, "interleaved", [2, 2, 2, 2]),
     "pp x dp, tie within a rank": (4, 2, 2, "interleaved", [2, 2, 2, 2]),
     "pp x dp, tie across ranks": (4, 2, 2, "1f1b", [4, 4]),
+    "pp x dp, zbv, tie across ranks": (4, 2, 2, "zbv", [2, 2, 2, 2]),
 }
 
 
@@ -139,6 +140,26 @@ def test_a_tied_weight_is_reduced_once_per_group(two: Cluster, four: Cluster, la
     for result in results:  # every rank holding a copy checked it
         names = set(result["steps"][0]["grads"])
         assert names & {"0.weight", "4.weight"} or pp > 1
+
+
+def test_zbv_puts_the_tied_embedding_and_head_on_one_rank(two: Cluster) -> None:
+    # Under zbv rank 0 runs cells 0 and 3, the two ends of the V: the embedding and the head
+    # that shares its weight are on one rank, whose copy gets the gradient of both uses.
+    reference = dist_cases.tied_model()
+    x, y = dist_cases.tokens(12)
+    loss = dist_cases.cross_entropy(reference(x), y)
+    loss.backward()
+    results = values(two.run("tied", schedule="zbv"))
+    tied = ("0.weight", "3.weight")
+    for result in results:
+        assert result["loss"] == pytest.approx(loss.item(), rel=1e-12)
+    assert not [n for n in results[1]["grads"] if n in tied], "rank 1 runs cells 1 and 2"
+    names = [n for n in results[0]["grads"] if n in tied]
+    assert names
+    for name in names:
+        torch.testing.assert_close(
+            torch.tensor(results[0]["grads"][name], dtype=torch.float64), reference[0].weight.grad
+        )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -266,7 +287,7 @@ def _check_evaluation(results: list[dict[str, Any]], batches: list[int], replica
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_evaluation_on_two_processes_every_schedule(two: Cluster, schedule: str) -> None:
-    cells = 4 if schedule == "interleaved" else 2  # interleaved: V = 2 cells per process
+    cells = 4 if schedule in ("interleaved", "zbv") else 2  # two cells per process
     batches = [12, 9, 3]  # even, uneven, fewer rows than micro-batches
     results = values(two.run("evaluate", schedule=schedule, layers=4, balance=[8 // cells] * cells,
                              chunks=4, batches=batches, pp=2, dp=1))  # fmt: skip
@@ -285,7 +306,7 @@ def test_evaluation_of_data_parallel_replicas_in_one_process_each(two: Cluster) 
 def test_evaluation_with_pipeline_and_data_parallel_on_four_processes(
     four: Cluster, schedule: str
 ) -> None:
-    cells = 4 if schedule == "interleaved" else 2
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
     batches = [16, 11]
     results = values(four.run("evaluate", schedule=schedule, layers=4, balance=[8 // cells] * cells,
                               chunks=3, batches=batches, pp=2, dp=2))  # fmt: skip

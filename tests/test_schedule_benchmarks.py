@@ -39,3 +39,16 @@ def test_every_schedule_holds_what_its_authors_say() -> None:
         per_stage, per_worker = schedule_memory.peaks(schedule, stages)
         assert per_worker == schedule_memory.megatron_bound(schedule, stages), schedule
         assert max(per_stage) <= schedule_memory.CHUNKS, schedule
+
+
+def test_zbv_holds_what_its_program_says_and_no_more_than_1f1b() -> None:
+    workers = schedule_memory.WORKERS
+    stages = 2 * workers
+    per_stage, per_worker = schedule_memory.peaks("zbv", stages)
+    assert per_worker == schedule_memory.megatron_bound("zbv", stages)
+    assert max(per_stage) <= schedule_memory.CHUNKS
+    # Held until the weight gradient: at most 2 W stages of half a 1F1B stage each, that is
+    # 1F1B's first stage (W micro-batches of a whole stage).
+    held = schedule_memory.program_peaks("zbv", stages, ("backward_weight",))
+    one_f_one_b = schedule_memory.program_peaks("1f1b", workers, ("backward",))
+    assert max(held) * workers / stages <= max(one_f_one_b)

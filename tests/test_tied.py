@@ -38,14 +38,14 @@ def test_retie_shares_again_after_materialising() -> None:
     assert cells[0][0].weight is cells[1][0].weight
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved", "zbv"])
 def test_tied_embedding_and_head_on_different_cells(make_pipe: Any, schedule: str) -> None:
     model = tied_model()
     reference = copy.deepcopy(model)
     x, y = tokens(12)
     want = loss_fn(reference(x), y)
     want.backward()
-    devices = ["cpu"] * (2 if schedule == "interleaved" else 4)
+    devices = ["cpu"] * (2 if schedule in ("interleaved", "zbv") else 4)
     pipe = make_pipe(model, [1, 1, 1, 1], devices=devices, chunks=3, schedule=schedule)
     loss = pipe.train_step(x, y, loss_fn)
     torch.testing.assert_close(loss, want.detach())

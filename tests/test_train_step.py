@@ -13,7 +13,7 @@ from torch import nn
 
 import gpipe_fast as gf
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 MODES = ("never", "except_last", "always")
 
 
@@ -31,7 +31,7 @@ def _pipe(
     make_pipe: Any, model: nn.Sequential, stages: int, schedule: str, **kwargs: Any
 ) -> gf.GPipe:
     per = len(model) // stages
-    devices = ["cpu"] * (stages // 2 if schedule == "interleaved" else stages)
+    devices = ["cpu"] * (stages // 2 if schedule in ("interleaved", "zbv") else stages)
     return make_pipe(model, [per] * stages, devices=devices, schedule=schedule, **kwargs)  # type: ignore[no-any-return]
 
 

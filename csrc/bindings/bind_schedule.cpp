@@ -1,7 +1,7 @@
-// Bindings for actions, tasks, schedules, the generators, the dry run and the simulator.
+// Bindings for actions, schedule kinds, tasks, schedules, the generators, lowering, the dry run
+// and the simulator: conversions only, the logic is the core's.
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -10,6 +10,7 @@
 #include "bindings.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/kinds.hpp"
 #include "gpipe_fast/lower.hpp"
 #include "gpipe_fast/schedule.hpp"
 
@@ -37,6 +38,16 @@ PyProgram to_python(const Program& program) {
   return out;
 }
 
+// A need as Python writes it: ([(action, stage offset), ...], "same" | "every", required).
+using PyNeed = std::tuple<std::vector<std::pair<std::string, int>>, std::string, bool>;
+
+NeedSpec need_from_python(const PyNeed& need) {
+  const auto& [any_of, microbatches, required] = need;
+  GF_EXPECTS(microbatches == "same" || microbatches == "every",
+             "needs: a need's micro-batches must be 'same' or 'every', got '" + microbatches + "'");
+  return NeedSpec{any_of, microbatches == "every", required};
+}
+
 Program from_python(const PyProgram& program) {
   Program out;
   for (const auto& steps : program) {
@@ -44,13 +55,6 @@ Program from_python(const PyProgram& program) {
     for (const auto& [name, stage, microbatch] : steps) order.push_back({action_named(name), stage, microbatch});
   }
   return out;
-}
-
-// Stage s on worker s mod workers, as every generator places them.
-std::vector<int> round_robin(int stages, int workers) {
-  std::vector<int> stage_workers;
-  for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
-  return stage_workers;
 }
 
 }  // namespace
@@ -63,7 +67,58 @@ void bind_schedule(py::module_& m) {
         for (int id = 0; id < action_count(); ++id) names.push_back(action_info(id).name);
         return names;
       },
-      "Every action's name, indexed by its id.");
+      "Every action's name, indexed by its id (as registered now: actions may be added).");
+  py::class_<ActionInfo>(m, "Action", "An action's facts (its dependency rule stays native).")
+      .def_readonly("name", &ActionInfo::name)
+      .def_readonly("communication", &ActionInfo::communication,
+                    "Runs on a communication worker, not its stage's compute worker.")
+      .def_property_readonly(
+          "cost", [](const ActionInfo& a) { return std::string(cost_class_name(a.cost)); },
+          "What its task costs: none | forward | backward | backward_input | backward_weight | "
+          "loss (the StageCosts field the simulator prices it by).")
+      .def_property_readonly("unit_cost", [](const ActionInfo& a) { return unit_cost(a.cost); })
+      .def("__repr__", [](const ActionInfo& a) { return "Action('" + a.name + "')"; });
+  m.def(
+      "action_facts",
+      [] {
+        std::vector<ActionInfo> facts;
+        for (int id = 0; id < action_count(); ++id) facts.push_back(action_info(id));
+        return facts;
+      },
+      "Every action's facts, indexed by its id.");
+  m.def(
+      "register_action",
+      [](const std::string& name, const std::vector<PyNeed>& needs, bool communication,
+         const std::string& cost) {
+        std::vector<NeedSpec> specs;
+        for (const PyNeed& need : needs) specs.push_back(need_from_python(need));
+        return register_action(name, specs, communication, parse_cost_class(cost));
+      },
+      py::arg("name"), py::arg("needs"), py::arg("communication") = false,
+      py::arg("cost") = "none",
+      "Adds an action for good and returns its id. `needs`: its dependency rule as data, one "
+      "(alternatives, micro-batches, required) per prerequisite: the first of alternatives "
+      "[(action, stage offset), ...] (the new action may name itself) the schedule holds, on "
+      "the task's own micro-batch "
+      "('same') or one prerequisite per micro-batch ('every'); alternatives off the pipeline's "
+      "ends are left out. Its tasks call Stage.<name>(micro_batch).");
+
+  py::class_<ScheduleKind>(m, "ScheduleKind", "A schedule kind's facts (generator native).")
+      .def_readonly("name", &ScheduleKind::name)
+      .def_readonly("stages_per_worker", &ScheduleKind::stages_per_worker,
+                    "Stages on each worker; 0: any number V (stages a multiple of workers).")
+      .def_readonly("split_backward", &ScheduleKind::split_backward,
+                    "Backward runs as backward_input then backward_weight.")
+      .def_readonly("summary", &ScheduleKind::summary)
+      .def("__repr__", [](const ScheduleKind& k) { return "ScheduleKind('" + k.name + "')"; });
+  m.def("schedule_kinds", &schedule_kinds, "Every schedule kind, in the registry's order.");
+  m.def("schedule_kind", &schedule_kind, py::arg("name"),
+        "The kind named `name`; ValueError listing the kinds otherwise.");
+  m.def("placement", &placement, py::arg("kind"), py::arg("stages"), py::arg("workers"),
+        "The worker of each stage under `kind`; ValueError when it cannot run them there.");
+  m.def("ideal_bubble", &ideal_bubble, py::arg("kind"), py::arg("stages"), py::arg("workers"),
+        py::arg("microbatches"),
+        "The kind's training-step bubble simulated with equal stages and no overheads.");
 
   py::class_<Task>(m, "Task", "One unit of work: an action of one stage on one micro-batch.")
       .def_readonly("action", &Task::action, "The action's id (see actions()).")
@@ -122,7 +177,7 @@ void bind_schedule(py::module_& m) {
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint") = "never",
-      "The validated training-step schedule of a kind: gpipe | 1f1b | interleaved | zero_bubble.");
+      "The validated training-step schedule of a kind (schedule_kinds()), stages placed by it.");
   m.def(
       "forward_program",
       [](const std::string& kind, int stages, int workers, int microbatches, bool loss) {
@@ -162,22 +217,21 @@ void bind_schedule(py::module_& m) {
       "rank_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches,
          const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank) {
-        return std::make_shared<Schedule>(rank_schedule(
-            make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)), stages,
-            microbatches, round_robin(stages, workers), std::move(worker_ranks), reduce_grad, rank));
+        return std::make_shared<Schedule>(rank_schedule(kind, stages, workers, microbatches,
+                                                        parse_checkpoint(checkpoint),
+                                                        std::move(worker_ranks), reduce_grad, rank));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"), py::arg("rank"),
       "Rank `rank`'s schedule of a kind lowered onto ranks (compute worker w on "
-      "worker_ranks[w]): its compute workers, then its communication worker (sends, receives, "
+      "worker_ranks[w]): its compute workers, then its communication workers (sends, receives, "
       "gradient reductions). Dry-run first across every rank.");
   m.def(
       "rank_forward_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches, bool loss,
          std::vector<int> worker_ranks, int rank) {
-        return std::make_shared<Schedule>(rank_schedule(
-            forward_only_program(kind, stages, workers, microbatches, loss), stages, microbatches,
-            round_robin(stages, workers), std::move(worker_ranks), false, rank));
+        return std::make_shared<Schedule>(rank_forward_schedule(
+            kind, stages, workers, microbatches, loss, std::move(worker_ranks), rank));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("loss"), py::arg("worker_ranks"), py::arg("rank"),
@@ -188,17 +242,15 @@ void bind_schedule(py::module_& m) {
       "lowered_program",
       [](const std::string& kind, int stages, int workers, int microbatches,
          const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad) {
-        std::vector<int> stage_workers;
-        for (int s = 0; s < stages; ++s) stage_workers.push_back(s % std::max(workers, 1));
-        const Lowered lowered =
-            lower(make_program(kind, stages, workers, microbatches, parse_checkpoint(checkpoint)),
-                  stages, microbatches, stage_workers, std::move(worker_ranks), reduce_grad);
+        const Lowered lowered = lower_schedule(kind, stages, workers, microbatches,
+                                               parse_checkpoint(checkpoint),
+                                               std::move(worker_ranks), reduce_grad);
         return py::make_tuple(to_python(lowered.program), lowered.worker_rank);
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"),
-      "Every worker's lowered program and rank: compute workers, then one communication "
-      "worker per rank.");
+      "Every worker's lowered program and rank: compute workers, then two communication "
+      "workers per rank.");
   m.def(
       "dry_run",
       [](const Schedule& schedule) {
@@ -216,6 +268,11 @@ void bind_schedule(py::module_& m) {
       .def_readonly("bubble", &SimulatedTimeline::bubble, "Idle share of worker-time.");
   m.def("simulate", &simulate, py::arg("schedule"), py::arg("cost"),
         "Predict the timeline of a schedule given each task's cost.");
+  m.def("unit_costs", &equal_stage_costs, py::arg("schedule"),
+        "Each task's cost with equal stages: its action's unit cost.");
+  m.def(
+      "recomputed", [](const Schedule& schedule) { return recomputed(schedule); },
+      py::arg("schedule"), "Which (stage, micro-batch) the schedule recomputes: flags[stage][m].");
 }
 
 }  // namespace gpipe_fast::bindings

@@ -1,8 +1,10 @@
 // The action registry: built-in actions with their dependency rules, open to more.
 #include "gpipe_fast/action.hpp"
 
+#include <algorithm>
 #include <deque>
 #include <mutex>
+#include <utility>
 
 #include "gpipe_fast/error.hpp"
 
@@ -70,35 +72,154 @@ struct Registry {
 
 Registry& registry() {
   // Order = the ids in action.hpp.
+  using C = CostClass;
   static Registry r{{},
                     {
-                        {"forward", forward_needs},
-                        {"recompute", own_forward},
-                        {"backward", backward_needs},
-                        {"backward_input", backward_needs},
-                        {"backward_weight", weight_needs},
-                        {"loss", own_forward},
-                        {"send_forward", own_forward, true},
-                        {"recv_forward", recv_forward_needs, true},
-                        {"send_backward", send_backward_needs, true},
-                        {"recv_backward", recv_backward_needs, true},
-                        {"reduce_grad", reduce_needs, true},
+                        {"forward", forward_needs, false, C::Forward},
+                        {"recompute", own_forward, false, C::Forward},
+                        {"backward", backward_needs, false, C::Backward},
+                        {"backward_input", backward_needs, false, C::BackwardInput},
+                        {"backward_weight", weight_needs, false, C::BackwardWeight},
+                        {"loss", own_forward, false, C::Loss},
+                        {"send_forward", own_forward, true, C::None},
+                        {"recv_forward", recv_forward_needs, true, C::None},
+                        {"send_backward", send_backward_needs, true, C::None},
+                        {"recv_backward", recv_backward_needs, true, C::None},
+                        {"reduce_grad", reduce_needs, true, C::None},
                     }};
   return r;
 }
 
+bool snake_case(const std::string& name) {
+  if (name.empty() || name[0] < 'a' || name[0] > 'z') return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+  });
+}
+
+constexpr int kMaxOffset = 1 << 20;
+
 }  // namespace
 
-ActionId register_action(const std::string& name, NeedsRule needs, bool communication) {
+const char* cost_class_name(CostClass cost) {
+  switch (cost) {
+    case CostClass::None: return "none";
+    case CostClass::Forward: return "forward";
+    case CostClass::Backward: return "backward";
+    case CostClass::BackwardInput: return "backward_input";
+    case CostClass::BackwardWeight: return "backward_weight";
+    case CostClass::Loss: return "loss";
+  }
+  return "none";
+}
+
+CostClass parse_cost_class(const std::string& name) {
+  for (CostClass cost : {CostClass::None, CostClass::Forward, CostClass::Backward,
+                         CostClass::BackwardInput, CostClass::BackwardWeight, CostClass::Loss}) {
+    if (name == cost_class_name(cost)) return cost;
+  }
+  throw InvalidArgument("cost must be 'none', 'forward', 'backward', 'backward_input', "
+                        "'backward_weight' or 'loss', got '" + name + "'");
+}
+
+double unit_cost(CostClass cost) {
+  switch (cost) {
+    case CostClass::Forward: return 1.0;
+    case CostClass::Backward: return 2.0;
+    case CostClass::BackwardInput: return 1.0;
+    case CostClass::BackwardWeight: return 1.0;
+    case CostClass::None:
+    case CostClass::Loss: return 0.0;
+  }
+  return 0.0;
+}
+
+namespace {
+
+// Adds `info` to the locked registry.
+ActionId add_locked(Registry& r, ActionInfo info) {
+  for (const auto& known : r.actions) {
+    GF_EXPECTS(known.name != info.name, "action '" + info.name + "' is already registered");
+  }
+  r.actions.push_back(std::move(info));
+  return static_cast<ActionId>(r.actions.size() - 1);
+}
+
+void check_name(const std::string& name) {
   GF_EXPECTS(!name.empty(), "an action needs a name");
+  GF_EXPECTS(snake_case(name), "action name '" + name + "' must be snake_case ([a-z][a-z0-9_]*)");
+}
+
+// A need of data with its actions resolved to ids.
+struct ResolvedNeed {
+  std::vector<std::pair<ActionId, int>> any_of;
+  bool every_microbatch;
+  bool required;
+};
+
+std::vector<Need> needs_of(const std::vector<ResolvedNeed>& specs, const TaskKey& task,
+                           int stages, int microbatches) {
+  std::vector<Need> needs;
+  auto add = [&](const ResolvedNeed& spec, int microbatch) {
+    Need need{{}, spec.required};
+    for (const auto& [action, offset] : spec.any_of) {
+      const int stage = task.stage + offset;
+      if (stage >= 0 && stage < stages) need.any_of.push_back({action, stage, microbatch});
+    }
+    if (!need.any_of.empty()) needs.push_back(std::move(need));
+  };
+  for (const ResolvedNeed& spec : specs) {
+    if (!spec.every_microbatch) {
+      add(spec, task.microbatch);
+      continue;
+    }
+    for (int m = 0; m < microbatches; ++m) add(spec, m);
+  }
+  return needs;
+}
+
+}  // namespace
+
+ActionId register_action(const std::string& name, NeedsRule needs, bool communication,
+                         CostClass cost) {
+  check_name(name);
   GF_EXPECTS(needs != nullptr, "action '" + name + "' needs a dependency rule");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& info : r.actions) {
-    GF_EXPECTS(info.name != name, "action '" + name + "' is already registered");
+  return add_locked(r, {name, std::move(needs), communication, cost});
+}
+
+ActionId register_action(const std::string& name, const std::vector<NeedSpec>& needs,
+                         bool communication, CostClass cost) {
+  check_name(name);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<ResolvedNeed> resolved;
+  for (const NeedSpec& spec : needs) {
+    GF_EXPECTS(!spec.any_of.empty(),
+               "action '" + name + "': a need names at least one (action, stage offset)");
+    ResolvedNeed need{{}, spec.every_microbatch, spec.required};
+    for (const auto& [action, offset] : spec.any_of) {
+      ActionId id = static_cast<ActionId>(r.actions.size());  // the new action itself
+      if (action != name) {
+        const auto it = std::find_if(r.actions.begin(), r.actions.end(),
+                                     [&](const ActionInfo& info) { return info.name == action; });
+        GF_EXPECTS(it != r.actions.end(),
+                   "action '" + name + "' needs unknown action '" + action + "'");
+        id = static_cast<ActionId>(it - r.actions.begin());
+      }
+      GF_EXPECTS(offset >= -kMaxOffset && offset <= kMaxOffset,
+                 "action '" + name + "': stage offset " + std::to_string(offset) +
+                     " is out of range");
+      need.any_of.emplace_back(id, offset);
+    }
+    resolved.push_back(std::move(need));
   }
-  r.actions.push_back({name, needs, communication});
-  return static_cast<ActionId>(r.actions.size() - 1);
+  NeedsRule rule = [resolved = std::move(resolved)](const TaskKey& task, int stages,
+                                                     int microbatches) {
+    return needs_of(resolved, task, stages, microbatches);
+  };
+  return add_locked(r, {name, std::move(rule), communication, cost});
 }
 
 const ActionInfo& action_info(ActionId id) {

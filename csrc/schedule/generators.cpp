@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 
@@ -241,6 +242,112 @@ Program interleaved_program(int stages, int workers, int microbatches) {
   return program;
 }
 
+namespace {
+
+// One ZB-V order and its length when every task takes one tick (see zbv_program).
+struct TimedProgram {
+  Program program;
+  int ticks = 0;
+};
+
+TimedProgram zbv_order(int stages, int microbatches, bool forward_first) {
+  const int workers = stages / 2;
+  const auto at = [](auto& table, int stage, int m) -> int& {
+    return table[static_cast<std::size_t>(stage)][static_cast<std::size_t>(m)];
+  };
+  std::vector<std::vector<int>> forward_end(
+      static_cast<std::size_t>(stages), std::vector<int>(static_cast<std::size_t>(microbatches), -1));
+  auto input_end = forward_end;
+  std::vector<int> next_forward(static_cast<std::size_t>(stages), 0);
+  std::vector<int> next_input(static_cast<std::size_t>(stages), 0);
+  std::vector<std::deque<TaskKey>> pending_weight(static_cast<std::size_t>(workers));
+  std::vector<int> held(static_cast<std::size_t>(workers), 0);
+  const int limit = 2 * workers;
+  TimedProgram out{Program(static_cast<std::size_t>(workers)), 0};
+  long long left = 3LL * stages * microbatches;
+  for (int tick = 0, idle_ticks = 0; left > 0; ++tick) {
+    const auto done = [&](int end) { return end >= 0 && end <= tick; };
+    bool moved = false;
+    for (int w = 0; w < workers; ++w) {
+      const auto wi = static_cast<std::size_t>(w);
+      const int down = w;             // stages 0 .. W-1, going down the workers
+      const int up = stages - 1 - w;  // stages W .. 2W-1, coming back up
+      std::optional<TaskKey> input;
+      for (int s : {up, down}) {
+        const int m = next_input[static_cast<std::size_t>(s)];
+        if (m >= microbatches || !done(at(forward_end, s, m))) continue;
+        if (s + 1 < stages && !done(at(input_end, s + 1, m))) continue;
+        if (!input || m < input->microbatch) input = TaskKey{BackwardInput, s, m};
+      }
+      std::optional<TaskKey> forward;
+      for (int s : {up, down}) {
+        const int m = next_forward[static_cast<std::size_t>(s)];
+        if (forward || m >= microbatches || (s > 0 && !done(at(forward_end, s - 1, m)))) continue;
+        if (s == down && held[wi] + 2 > limit) continue;
+        forward = TaskKey{Forward, s, m};
+      }
+      std::optional<TaskKey> task = forward_first ? (forward ? forward : input)
+                                                  : (input ? input : forward);
+      if (!task && !pending_weight[wi].empty()) {
+        task = pending_weight[wi].front();
+        pending_weight[wi].pop_front();
+      }
+      if (!task) continue;
+      moved = true;
+      --left;
+      out.ticks = tick + 1;
+      const int s = task->stage;
+      const int m = task->microbatch;
+      auto& order = out.program[wi];
+      if (task->action == Forward) {
+        add_forward(order, s, m, stages);
+        at(forward_end, s, m) = tick + 1;
+        ++next_forward[static_cast<std::size_t>(s)];
+        if (s == down) held[wi] += 2;
+      } else if (task->action == BackwardInput) {
+        order.push_back(*task);
+        at(input_end, s, m) = tick + 1;
+        ++next_input[static_cast<std::size_t>(s)];
+        pending_weight[wi].push_back({BackwardWeight, s, m});
+      } else {
+        order.push_back(*task);
+        --held[wi];
+      }
+    }
+    // Every task ends one tick after it starts: a tick in which nothing starts after one in
+    // which nothing did means nothing is running and nothing can start.
+    idle_ticks = moved ? 0 : idle_ticks + 1;
+    GF_EXPECTS(idle_ticks < 2, "zbv_program: the order is stuck (a bug)");
+  }
+  return out;
+}
+
+}  // namespace
+
+Program zbv_program(int stages, int microbatches) {
+  check_sizes(stages, microbatches);
+  GF_EXPECTS(stages % 2 == 0, "zbv runs two stages per worker: it needs an even number of "
+                              "stages, got " + std::to_string(stages));
+  // Each worker's order is what it does in a run where every task takes one tick (a loss
+  // none): when free, a worker takes
+  //   - an input gradient whose output gradient has come (the oldest micro-batch; of two,
+  //     the stage further down the V, whose gradient the next worker waits for),
+  //   - or a forward whose input has come, the upward stage's first (it carries its
+  //     micro-batch on towards the loss); a new micro-batch enters the worker's first stage
+  //     only while the worker holds fewer than 2W stage activations, counting the two each
+  //     micro-batch will hold (so the upward forward always has room),
+  //   - else the oldest pending weight gradient, which frees its activations,
+  // and idles otherwise. Weight gradients thus fill the waits, and each worker holds at most
+  // 2W stage activations (forward to weight gradient): W micro-batches of stages half as deep
+  // as 1F1B's, which holds W on its first worker. No worker can wait forever: the oldest
+  // unfinished micro-batch always has room on every worker, everything older having freed
+  // its share. Two orders are run, input gradients first (as 1F1B) and forwards first; the
+  // shorter is kept (the first on a tie): neither is the shorter for every (W, M).
+  TimedProgram best = zbv_order(stages, microbatches, false);
+  TimedProgram other = zbv_order(stages, microbatches, true);
+  return other.ticks < best.ticks ? std::move(other.program) : std::move(best.program);
+}
+
 void add_recompute(Program& program, Checkpoint checkpoint) {
   if (checkpoint == Checkpoint::Never) return;
   // Under except_last, (stage, m) keeps its activations when its worker's next task after
@@ -285,57 +392,15 @@ std::vector<std::vector<bool>> recomputed(const Program& program, int stages, in
   return flags;
 }
 
-Program make_program(const std::string& kind, int stages, int workers, int microbatches,
-                     Checkpoint checkpoint) {
-  check_sizes(stages, microbatches);
-  Program program;
-  if (kind == "interleaved") {
-    program = interleaved_program(stages, workers, microbatches);
-  } else {
-    const bool known = kind == "gpipe" || kind == "1f1b" || kind == "zero_bubble";
-    GF_EXPECTS(known, "schedule must be 'gpipe', '1f1b', 'interleaved' or 'zero_bubble', got '" +
-                          kind + "'");
-    GF_EXPECTS(workers == stages, "schedule '" + kind + "' runs one stage per worker: got " +
-                                      std::to_string(stages) + " stages on " +
-                                      std::to_string(workers) + " workers");
-    if (kind == "gpipe") program = gpipe_program(stages, microbatches);
-    if (kind == "1f1b") program = one_f_one_b_program(stages, microbatches);
-    if (kind == "zero_bubble") program = zero_bubble_program(stages, microbatches);
+std::vector<std::vector<bool>> recomputed(const Schedule& schedule) {
+  std::vector<std::vector<bool>> flags(static_cast<std::size_t>(schedule.stages()),
+                                       std::vector<bool>(static_cast<std::size_t>(schedule.microbatches())));
+  for (const Task& task : schedule.tasks()) {
+    if (task.action == Recompute) {
+      flags[static_cast<std::size_t>(task.stage)][static_cast<std::size_t>(task.microbatch)] = true;
+    }
   }
-  add_recompute(program, checkpoint);
-  return program;
-}
-
-Schedule make_schedule(const std::string& kind, int stages, int workers, int microbatches,
-                       Checkpoint checkpoint) {
-  std::vector<int> stage_worker;
-  for (int s = 0; s < stages; ++s) stage_worker.push_back(s % std::max(workers, 1));
-  Schedule schedule = link(make_program(kind, stages, workers, microbatches, checkpoint), stages,
-                           microbatches, std::move(stage_worker));
-  schedule.validate();
-  return schedule;
-}
-
-Program forward_only_program(const std::string& kind, int stages, int workers, int microbatches,
-                             bool loss) {
-  Program program = make_program(kind, stages, workers, microbatches, Checkpoint::Never);
-  for (auto& order : program) {
-    const auto dropped = [loss](const TaskKey& key) {
-      return !(key.action == Forward || (loss && key.action == Loss));
-    };
-    order.erase(std::remove_if(order.begin(), order.end(), dropped), order.end());
-  }
-  return program;
-}
-
-Schedule make_forward_schedule(const std::string& kind, int stages, int workers,
-                               int microbatches, bool loss) {
-  std::vector<int> stage_worker;
-  for (int s = 0; s < stages; ++s) stage_worker.push_back(s % std::max(workers, 1));
-  Schedule schedule = link(forward_only_program(kind, stages, workers, microbatches, loss), stages,
-                           microbatches, std::move(stage_worker));
-  schedule.validate();
-  return schedule;
+  return flags;
 }
 
 namespace {

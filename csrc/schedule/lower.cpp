@@ -17,14 +17,6 @@ using namespace action;
 // is. A send and its receive get the same key on their two ranks.
 using CommKey = std::tuple<double, int, int, int>;  // (time, flow, boundary, micro-batch)
 
-double unit_cost(ActionId action) {
-  switch (action) {
-    case Backward: return 2.0;
-    case Loss: return 0.0;
-    default: return 1.0;  // forward, recompute, either half of a backward
-  }
-}
-
 }  // namespace
 
 Lowered lower(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
@@ -45,9 +37,7 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     return worker_rank[static_cast<std::size_t>(plain.worker_of(s))];
   };
 
-  std::vector<double> cost;
-  for (const Task& task : plain.tasks()) cost.push_back(unit_cost(task.action));
-  const SimulatedTimeline timeline = simulate(plain, cost);
+  const SimulatedTimeline timeline = simulate(plain, equal_stage_costs(plain));
 
   // Each rank's receives and reductions with their order keys; sends follow their producer
   // on its compute worker (a send is posted, never waited for, so it never stalls compute
@@ -154,6 +144,29 @@ Schedule rank_schedule(const Program& program, int stages, int microbatches,
   Schedule schedule = link_rank(lowered, stages, microbatches, rank);
   schedule.validate();
   return schedule;
+}
+
+Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad) {
+  return lower(make_program(kind, stages, workers, microbatches, checkpoint), stages,
+               microbatches, placement(kind, stages, workers), std::move(worker_rank),
+               reduce_grad);
+}
+
+Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
+                       int rank) {
+  return rank_schedule(make_program(kind, stages, workers, microbatches, checkpoint), stages,
+                       microbatches, placement(kind, stages, workers), std::move(worker_rank),
+                       reduce_grad, rank);
+}
+
+Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
+                               int microbatches, bool loss, std::vector<int> worker_rank,
+                               int rank) {
+  return rank_schedule(forward_only_program(kind, stages, workers, microbatches, loss), stages,
+                       microbatches, placement(kind, stages, workers), std::move(worker_rank),
+                       false, rank);
 }
 
 }  // namespace gpipe_fast

@@ -56,4 +56,11 @@ SimulatedTimeline simulate(const Schedule& schedule, const std::vector<double>& 
   return timeline;
 }
 
+std::vector<double> equal_stage_costs(const Schedule& schedule) {
+  std::vector<double> cost;
+  cost.reserve(schedule.tasks().size());
+  for (const Task& task : schedule.tasks()) cost.push_back(unit_cost(action_info(task.action).cost));
+  return cost;
+}
+
 }  // namespace gpipe_fast

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
-from gpipe_fast.demo import report
+from gpipe_fast.demo import report as report
+from gpipe_fast.schedules import SCHEDULES, schedule_kind
 
 _INPUTS = 32  # features of the synthetic data
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
@@ -77,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--schedule",
-        choices=["gpipe", "1f1b", "zero_bubble"],
+        choices=[k for k in SCHEDULES if schedule_kind(k).stages_per_worker == 1],
         default="1f1b",
         help="the schedule across processes (default 1f1b)",
     )

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.schedules import ACTIONS
+from gpipe_fast.schedules import actions
 from gpipe_fast.timeline import Kind
 
 
@@ -232,10 +232,11 @@ def simulated_bubble(timeline: gf.Timeline, alone: Sequence[AloneCosts]) -> floa
     fill-drain bubble plus what the cells' imbalance adds."""
     checkpointed = checkpointed_microbatches(timeline)
     makespan = busy = 0.0
+    names = actions()
     for schedule in _schedules(timeline, checkpointed).values():
         costs = []
         for task in schedule.tasks:
-            kind = ACTIONS[task.action]
+            kind = names[task.action]
             costs.append(alone[task.stage].of(kind, checkpointed[task.microbatch]))
         makespan += _C.simulate(schedule, costs).makespan
         busy += sum(costs)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from gpipe_fast import _C
 from gpipe_fast.planning.predict import StageCosts, task_costs
-from gpipe_fast.timeline import COMMUNICATION, Timeline
+from gpipe_fast.schedules import communication_actions
+from gpipe_fast.timeline import Timeline
 
 # Bisection steps for the hand-off cost: 40 halvings of a bound that is at most the step.
 _SEARCH_STEPS = 40
@@ -22,6 +23,7 @@ def check_timelines(
     timelines = [calibrate] if isinstance(calibrate, Timeline) else list(calibrate)
     if not timelines or not all(isinstance(t, Timeline) for t in timelines):
         raise TypeError("calibrate: expected a gf.Timeline (pipe.timeline()) or a list of them")
+    communication = communication_actions()
     for timeline in timelines:
         if timeline.cells != cells:
             raise ValueError(
@@ -33,7 +35,7 @@ def check_timelines(
                 f"calibrate: a timeline of {timeline.microbatches} micro-batches cannot "
                 f"calibrate a plan of {chunks} chunks"
             )
-        if any(s.kind in COMMUNICATION for s in timeline.spans):
+        if any(s.kind in communication for s in timeline.spans):
             raise ValueError("calibrate: a multi-process rank's timeline holds one rank only")
         if not any(s.kind == "forward" for s in timeline.spans):
             raise ValueError("calibrate: the timeline has no forward task (record a step)")

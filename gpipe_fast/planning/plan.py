@@ -35,7 +35,7 @@ from gpipe_fast.planning.profile import (
     profile_layers,
     resolve_device,
 )
-from gpipe_fast.schedules import check_schedule
+from gpipe_fast.schedules import check_schedule, placement, schedule_kind
 from gpipe_fast.timeline import Timeline
 
 PLAN_COSTS = ("time", "size", "params")
@@ -165,7 +165,8 @@ def plan(
     """Balances `module` into `partitions` cells by `cost` ("time", "size" or "params"; or takes
     the given `balance`) and predicts a training step of `schedule` on `sample`, a whole
     mini-batch that is split into `chunks` micro-batches. `devices`: how many devices (workers)
-    the cells share, for the interleaved schedule (default: one per cell).
+    the cells share, for the interleaved schedule (default: as the schedule places them: one
+    per cell, two for zbv).
 
     With cost="time" each layer is timed as its cell will run it: on one micro-batch of the
     sample, on `device`, with the intra-op threads each CPU cell's worker gets (the cores
@@ -188,11 +189,7 @@ def plan(
     cost = check_choice(cost, "cost", PLAN_COSTS)
     checkpoint = check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
     schedule = check_schedule(schedule)
-    workers = cells if devices is None else check_int(devices, "devices", 1)
-    if schedule != "interleaved" and workers != cells:
-        raise ValueError(f"devices: schedule {schedule!r} runs one cell per device, got {workers}")
-    if cells % workers:
-        raise ValueError(f"devices ({workers}) must divide partitions ({cells}) when interleaving")
+    workers = _plan_workers(schedule, cells, devices)
     if balance is not None:
         balance = check_balance(balance, cells, len(module))
     if calibrate is not None:
@@ -207,15 +204,15 @@ def plan(
     output_bytes = layer_output_bytes(module, sample, device=device)
     threads: int | None = None
     overhead = 0.0
-    split = schedule == "zero_bubble"
+    split = schedule_kind(schedule).split_backward
     if calibrate is not None:
         assert balance is not None
         calibration = calibrated(calibrate, cells, chunks)
         if split and not calibration.split:
             warnings.warn(
-                "gf.plan: zero_bubble calibrated from steps whose backwards were not split: "
+                f"gf.plan: {schedule} calibrated from steps whose backwards were not split: "
                 "each half is taken as half a backward, which underestimates small layers "
-                "(a split costs a task more); calibrate from a zero_bubble step instead",
+                f"(a split costs a task more); calibrate from a {schedule} step instead",
                 stacklevel=2,
             )
         return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
@@ -259,6 +256,22 @@ def plan(
     ]
     return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
                  stage_costs, overhead, layer_costs, output_bytes, threads=threads)  # fmt: skip
+
+
+def _plan_workers(schedule: str, cells: int, devices: object) -> int:
+    """The workers (devices) the cells share: `devices`, or by default as many as the kind
+    runs `cells` cells on (one per cell; cells / 2 for zbv); checked against the kind's rule,
+    ValueError naming the argument that does not fit."""
+    per = schedule_kind(schedule).stages_per_worker
+    if devices is None:
+        workers, argument = max(1, cells // per) if per else cells, "partitions"
+    else:
+        workers, argument = check_int(devices, "devices", 1), "devices"
+    try:
+        placement(schedule, cells, workers)
+    except ValueError as error:
+        raise ValueError(f"{argument}: {error}") from None
+    return workers
 
 
 def _plan(

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from gpipe_fast import _C
-from gpipe_fast.schedules import ACTIONS
 
 
 @dataclass(frozen=True)
@@ -34,19 +33,14 @@ class Prediction:
 
 
 def task_costs(schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float) -> list[float]:
-    """Each task's cost: its action's cost on its stage (a recompute costs a forward), plus
-    the runtime's `overhead` per task."""
-    by_action = {
-        "forward": lambda c: c.forward,
-        "recompute": lambda c: c.forward,
-        "backward": lambda c: c.backward,
-        "backward_input": lambda c: c.backward_input,
-        "backward_weight": lambda c: c.backward_weight,
-        "loss": lambda c: c.loss,
-    }
+    """Each task's cost: its stage's cost of its action's cost class (the StageCosts field
+    of that name: a recompute costs a forward; communication nothing), plus the runtime's
+    `overhead` per task."""
+    classes = [fact.cost for fact in _C.action_facts()]
     out = []
     for task in schedule.tasks:
-        cost = by_action.get(ACTIONS[task.action], lambda c: 0.0)(costs[task.stage])
+        cost_class = classes[task.action]
+        cost = 0.0 if cost_class == "none" else getattr(costs[task.stage], cost_class)
         out.append(cost + overhead)
     return out
 
@@ -58,7 +52,7 @@ def predict(
     if len(costs) != schedule.stages:
         raise ValueError(f"costs: got {len(costs)} stages' costs for {schedule.stages} stages")
     timeline = _C.simulate(schedule, task_costs(schedule, costs, overhead))
-    forward = ACTIONS.index("forward")
+    forward = _C.actions().index("forward")
     ends = [
         end
         for task, end in zip(schedule.tasks, timeline.end, strict=True)

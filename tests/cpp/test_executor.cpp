@@ -17,6 +17,7 @@
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/executor.hpp"
 #include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/kinds.hpp"
 #include "gpipe_fast/schedule.hpp"
 
 using gpipe_fast::Executor;

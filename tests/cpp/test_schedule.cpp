@@ -13,6 +13,7 @@
 #include "check.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/kinds.hpp"
 #include "gpipe_fast/schedule.hpp"
 
 using gpipe_fast::Checkpoint;

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gpipe_fast {
@@ -46,7 +48,17 @@ struct Need {
 
 // What `task` needs in a schedule of `stages` stages and `microbatches` micro-batches: the
 // rule of its action.
-using NeedsRule = std::vector<Need> (*)(const TaskKey& task, int stages, int microbatches);
+using NeedsRule = std::function<std::vector<Need>(const TaskKey& task, int stages, int microbatches)>;
+
+// What a task of an action costs, as a kind of work: the simulator prices it from the
+// stage's cost of that kind (a recompute is a forward again), and unit_cost() is its price
+// when every stage costs the same (a forward 1, a backward 2, each half of it 1).
+enum class CostClass { None, Forward, Backward, BackwardInput, BackwardWeight, Loss };
+
+// "none" | "forward" | "backward" | "backward_input" | "backward_weight" | "loss".
+const char* cost_class_name(CostClass cost);
+CostClass parse_cost_class(const std::string& name);  // InvalidArgument naming `cost`
+double unit_cost(CostClass cost);
 
 struct ActionInfo {
   std::string name;  // snake_case; Python dispatches on it (Stage.<name>)
@@ -54,13 +66,34 @@ struct ActionInfo {
   // Communication (send, recv, reduce) runs on a process's communication worker, not on
   // its stage's compute worker, so that it overlaps with compute.
   bool communication = false;
+  CostClass cost = CostClass::None;
 };
 
-// Adds an action and returns its id; InvalidArgument if the name is taken or empty.
-ActionId register_action(const std::string& name, NeedsRule needs, bool communication = false);
+// Adds an action and returns its id; InvalidArgument if the name is taken, empty or not
+// snake_case ([a-z][a-z0-9_]*: Python looks the stage's method up by it).
+ActionId register_action(const std::string& name, NeedsRule needs, bool communication = false,
+                         CostClass cost = CostClass::None);
 const ActionInfo& action_info(ActionId id);  // InvalidArgument for an unknown id
 std::optional<ActionId> find_action(const std::string& name);
 int action_count();
+
+// A need written as data, for rules given from Python (no callback into the interpreter,
+// nothing to outlive it): the first of `any_of` that the schedule holds, each an action (by
+// name; the action being registered may name itself) on the stage `offset` stages from the
+// task's, on the task's own micro-batch, or with `every_microbatch` one such need per
+// micro-batch of the step. An alternative whose stage lies outside the pipeline is left
+// out, and a need left with none is dropped: the first stage has no previous stage to wait
+// for.
+struct NeedSpec {
+  std::vector<std::pair<std::string, int>> any_of;  // (action, stage offset)
+  bool every_microbatch = false;
+  bool required = true;
+};
+
+// Adds an action whose rule is `needs`; InvalidArgument as above, or for a need naming no
+// action, an unknown action, or an offset beyond +-(1 << 20).
+ActionId register_action(const std::string& name, const std::vector<NeedSpec>& needs,
+                         bool communication = false, CostClass cost = CostClass::None);
 
 // "forward(stage 1, micro-batch 3)".
 std::string describe(const TaskKey& task);

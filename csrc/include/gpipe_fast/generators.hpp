@@ -1,4 +1,4 @@
-// Schedule generators: per-worker programs for gpipe, 1f1b, interleaved and zero-bubble steps.
+// Schedule generators: per-worker programs for gpipe, 1f1b, interleaved, zero-bubble and ZB-V steps.
 #pragma once
 
 #include <string>
@@ -35,12 +35,17 @@ Schedule link(const Program& program, int stages, int microbatches,
 // - interleaved: Megatron's interleaved 1F1B with `workers` workers and stages/workers
 //   stages per worker (stage s on worker s mod workers), micro-batches in groups of
 //   `workers` going depth first through a worker's stages; any number of micro-batches
-//   (max(1, M / workers) groups of near-equal size when `workers` does not divide M).
-// Gpipe, 1f1b and zero_bubble run one stage per worker (workers == stages).
+//   (max(1, M / workers) groups of near-equal size when `workers` does not divide M);
+// - zbv: ZB-V, two stages per worker in a V (worker w runs stages w and 2W-1-w, so the
+//   first and last stage share worker 0), backward split as in zero_bubble, weight
+//   gradients deferred into the waits, at most 2W stage activations held per worker.
+// Gpipe, 1f1b and zero_bubble run one stage per worker (workers == stages); the registry of
+// schedule kinds (kinds.hpp) says where each kind places its stages.
 Program gpipe_program(int stages, int microbatches);
 Program one_f_one_b_program(int stages, int microbatches);
 Program zero_bubble_program(int stages, int microbatches);
 Program interleaved_program(int stages, int workers, int microbatches);
+Program zbv_program(int stages, int microbatches);
 
 // Adds Recompute tasks for `checkpoint`: "always" recomputes every (stage, micro-batch),
 // "except_last" all but those whose backward is their stage's next task after the forward
@@ -52,24 +57,7 @@ void add_recompute(Program& program, Checkpoint checkpoint);
 
 // Which (stage, micro-batch) a program recomputes: flags[stage][microbatch].
 std::vector<std::vector<bool>> recomputed(const Program& program, int stages, int microbatches);
-
-// The program of `kind` ("gpipe" | "1f1b" | "interleaved" | "zero_bubble") with its
-// recomputes, and its linked, validated schedule (stage s on worker s mod workers).
-Program make_program(const std::string& kind, int stages, int workers, int microbatches,
-                     Checkpoint checkpoint);
-Schedule make_schedule(const std::string& kind, int stages, int workers, int microbatches,
-                       Checkpoint checkpoint);
-
-// The forward-only run of an evaluation step (eval_step; pipe(x) across processes): the
-// forwards of `kind`'s training program in its order, each forward of the last stage
-// followed by its Loss when `loss`, and nothing else (no backward, no recompute). For gpipe,
-// 1f1b and zero_bubble that is the fill-drain forward (every stage runs micro-batches 0..M-1
-// in turn); for interleaved, the groups of micro-batches go depth first through each
-// worker's stages, as in training, so that every worker starts early.
-Program forward_only_program(const std::string& kind, int stages, int workers, int microbatches,
-                             bool loss = true);
-Schedule make_forward_schedule(const std::string& kind, int stages, int workers,
-                               int microbatches, bool loss = true);
+std::vector<std::vector<bool>> recomputed(const Schedule& schedule);
 
 // The two runs of a fill-drain step driven by pipe(x) and loss.backward(): the forward
 // (micro-batch m runs stage k at tick m + k), and the backward, last micro-batch first, with a

@@ -1,9 +1,11 @@
 // Lowers a schedule's program onto processes: sends, receives and gradient reductions.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "gpipe_fast/generators.hpp"
+#include "gpipe_fast/kinds.hpp"
 #include "gpipe_fast/schedule.hpp"
 
 namespace gpipe_fast {
@@ -45,5 +47,22 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
 Schedule rank_schedule(const Program& program, int stages, int microbatches,
                        std::vector<int> stage_worker, std::vector<int> worker_rank,
                        bool reduce_grad, int rank);
+
+// The training step of `kind` (`stages` stages on `workers` compute workers, placed by the
+// kind, recomputes for `checkpoint`) lowered with compute worker w on rank worker_rank[w].
+Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad);
+
+// Rank `rank`'s validated schedule of that step, once every rank's schedule together has
+// passed the dry run (a receive waits for its send: no rank can wait forever on another).
+Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
+                       int rank);
+
+// Rank `rank`'s validated forward-only schedule of `kind` (forward_only_program), lowered and
+// dry-run like rank_schedule: sends after the forwards, no gradient and no reduction.
+Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
+                               int microbatches, bool loss, std::vector<int> worker_rank,
+                               int rank);
 
 }  // namespace gpipe_fast

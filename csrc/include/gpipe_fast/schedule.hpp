@@ -100,4 +100,8 @@ struct SimulatedTimeline {
 
 SimulatedTimeline simulate(const Schedule& schedule, const std::vector<double>& cost);
 
+// Each task's cost when every stage costs the same: its action's unit_cost (a forward 1, a
+// backward 2, each half of it 1, a loss and communication nothing).
+std::vector<double> equal_stage_costs(const Schedule& schedule);
+
 }  // namespace gpipe_fast
