@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from gpipe_fast import _C
+
 # How often a waiting rank looks in the store for another rank's failure.
 CHECK_EVERY_S = 0.05
+# How long, at most, the rank whose failure the others read stays at exit until they have
+# read it (the store may live in its process and end with it).
+LINGER_S = 10.0
+
+# A wait on another rank cannot be cancelled, so a helper thread may still be blocked in one
+# when Python shuts down; were it to return then, the process would abort (exit_guard.hpp).
+# It parks instead, and the process keeps its own exit code. Registered first, so that it runs
+# after every other atexit handler of the package (pipes closed, failures read).
+_C.install_exit_guard()
+atexit.register(_C.interpreter_exiting)
 
 
 class PeerFailure(RuntimeError):
     """Another rank's step failed, or a rank stopped answering: this rank's step stops too."""
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message without the C++ trace torch's store errors carry."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def _wait_all(requests: Sequence[Any]) -> None:
@@ -66,35 +86,69 @@ class Guard:
     `timeout_s`. So a failure anywhere ends the step on every rank within about the
     timeout, and a rank that died makes the others raise, not hang. A wait given up leaves
     its helper thread blocked until the process group is destroyed (after a failed step,
-    see FAILED_STEP_ADVICE)."""
+    see FAILED_STEP_ADVICE).
 
-    def __init__(self, store: Any, prefix: str, rank: int, timeout_s: float) -> None:
+    The first failure reported by any rank is the one every rank reads: a rank that fails
+    because another did (its wait ended) cannot hide where the failure started. The rank
+    that reported it stays at exit until the `peers` other ranks have read it, for at most
+    LINGER_S: the store may live in its process."""
+
+    def __init__(
+        self, store: Any, prefix: str, rank: int, timeout_s: float, peers: int = 0
+    ) -> None:
         self.store = store
         self.key = f"{prefix}/failure"
+        self.seen_key = f"{prefix}/failure-seen"
         self.rank = rank
         self.timeout_s = timeout_s
+        self.peers = peers
         self.local: str | None = None  # this rank's own failure, once reported
+        self.origin = False  # this rank's report is the failure every rank reads
+        self.seen = False  # this rank has read another rank's failure (and said so)
         self._waiters = _Waiters(4)
+        _lingering.add(self)
 
     def report(self, message: str) -> None:
-        """Tells every rank that this one failed (first report wins locally)."""
-        if self.local is None:
-            self.local = message
-            try:
-                self.store.set(self.key, f"rank {self.rank}: {message}")
-            except Exception:  # a store that is gone: the others will time out instead
-                pass
+        """Tells every rank that this one failed, unless a rank reported a failure first
+        (this rank's first report is kept locally either way)."""
+        if self.local is not None:
+            return
+        self.local = f"rank {self.rank}: {message}"
+        try:
+            stored = self.store.compare_set(self.key, "", self.local)
+            self.origin = bytes(stored).decode(errors="replace") == self.local
+        except Exception:  # a store that is gone: the others will time out instead
+            pass
 
     def failure(self) -> str | None:
-        """The reported failure of any rank, or None."""
-        if self.local is not None:
-            return f"rank {self.rank}: {self.local}"
+        """The failure every rank reads (the first reported), this rank's own when the
+        store cannot be reached, or None."""
         try:
-            if self.store.check([self.key]):
-                return bytes(self.store.get(self.key)).decode(errors="replace")
+            if not self.store.check([self.key]):
+                return self.local
+            message = bytes(self.store.get(self.key)).decode(errors="replace")
+            if not (self.seen or self.origin):
+                self.seen = True
+                self.store.add(self.seen_key, 1)  # the reporting rank may leave now
+            return message
         except Exception as error:  # the store's server (rank 0) is gone
-            return f"a rank that stopped answering (the process group's store: {error})"
-        return None
+            if self.local is not None:
+                return self.local
+            store_error = _first_line(error)
+            return f"a rank that stopped answering (the process group's store: {store_error})"
+
+    def linger(self, bound_s: float = LINGER_S) -> None:
+        """Returns once every peer has read this rank's failure, or after `bound_s`; at once
+        when the failure the ranks read is not this rank's."""
+        deadline = time.monotonic() + bound_s
+        while self.origin and time.monotonic() < deadline:
+            try:
+                if int(self.store.add(self.seen_key, 0)) >= self.peers:
+                    return
+            except Exception:  # the store is gone: nobody can read it any more
+                return
+            time.sleep(CHECK_EVERY_S)
+
 
     def check(self) -> None:
         message = self.failure()
@@ -122,5 +176,15 @@ class Guard:
         if waiting.error is not None:
             self.check()  # a failure reported elsewhere explains it best
             raise PeerFailure(
-                f"gpipe_fast: rank {self.rank} lost {what}{source}: {waiting.error}"
+                f"gpipe_fast: rank {self.rank} lost {what}{source}: {_first_line(waiting.error)}"
             ) from waiting.error
+
+
+# Guards whose failure other ranks may still have to read when the process exits.
+_lingering: weakref.WeakSet[Guard] = weakref.WeakSet()
+
+
+@atexit.register
+def _linger_at_exit() -> None:
+    for guard in list(_lingering):
+        guard.linger()

@@ -18,8 +18,7 @@ _PIPES = itertools.count()
 
 FAILED_STEP_ADVICE = (
     "after a failed step the process group may still hold messages of that step: destroy it "
-    "(torch.distributed.destroy_process_group()) and restart the job from its last checkpoint "
-    "(torchrun --max-restarts does the restart)"
+    "(torch.distributed.destroy_process_group()) and restart the job from its last checkpoint"
 )
 
 
@@ -30,7 +29,13 @@ class ProcessGroups:
         self.layout = layout
         self.device = device
         store = c10d._get_default_store()
-        self.guard = Guard(store, f"gpipe_fast/pipe{next(_PIPES)}", dist.get_rank(), timeout_s)
+        self.guard = Guard(
+            store,
+            f"gpipe_fast/pipe{next(_PIPES)}",
+            dist.get_rank(),
+            timeout_s,
+            peers=dist.get_world_size() - 1,
+        )
 
     def check_usable(self) -> None:
         """Refuses a step after one failed anywhere (see FAILED_STEP_ADVICE)."""

@@ -66,7 +66,8 @@ def register_action(
 ) -> int:
     """Adds an action for good (its tasks call ``Stage.<name>(micro_batch)``) and returns its
     id; `cost` is what the simulator prices it as ("forward", "backward", ... or "none")."""
-    return int(_C.register_action(name, [(n.any_of, n.microbatches, n.required) for n in needs], communication, cost))
+    rules = [(n.any_of, n.microbatches, n.required) for n in needs]
+    return int(_C.register_action(name, rules, communication, cost))
 
 
 class ScheduleCache:

@@ -229,14 +229,18 @@ class _Fail(nn.Module):
         return x
 
 
-def fail(rank: int, world: int, *, failing_rank: int, kill: bool = False) -> dict[str, Any]:
+def fail(
+    rank: int, world: int, *, failing_rank: int, kill: bool = False, pp: int = 0
+) -> dict[str, Any]:
     """One rank's layer raises (or, with kill, its process dies) in a forward; the others
-    must stop, not hang."""
+    must stop, not hang. With `pp`, a (world / pp) x pp mesh of data-parallel pipelines."""
+    pp = pp or world
+    pp_group, dp_group, _ = groups(pp, world // pp)
     layers: list[nn.Module] = []
-    for _ in range(world):
+    for _ in range(pp):
         layers += [nn.Linear(WIDTH, WIDTH), _Fail(failing_rank, kill)]
-    pipe = gf.GPipe(nn.Sequential(*layers).double(), [2] * world, chunks=4, schedule="1f1b",
-                    pp_group=dist.group.WORLD, timeout=20)  # fmt: skip
+    pipe = gf.GPipe(nn.Sequential(*layers).double(), [2] * pp, chunks=4, schedule="1f1b",
+                    pp_group=pp_group, dp_group=dp_group, timeout=20)  # fmt: skip
     x, y = batch(8, seed=1)
     try:
         pipe.train_step(x, y, nn.functional.mse_loss)

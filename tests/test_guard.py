@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
-from gpipe_fast.guard import Guard, PeerFailure
+from gpipe_fast.guard import Guard, PeerFailure, _first_line
 
 
-class _Store:
-    """A process group's store, in memory."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.values[key] = value.encode()
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.values for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.values[key]
+def _store() -> Any:
+    """A process group's store, in memory (torch's own, with its compare_set and add)."""
+    return dist.HashStore()
 
 
 class _Request:
@@ -43,14 +34,14 @@ class _Request:
 
 
 def test_a_completed_wait_returns() -> None:
-    guard = Guard(_Store(), "pipe", rank=0, timeout_s=30)
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=30)
     request = _Request()
     threading.Timer(0.1, request.released.set).start()
     guard.wait(request, "an activation", peer=1)  # returns once the request completes
 
 
 def test_another_ranks_failure_ends_the_wait() -> None:
-    store = _Store()
+    store = _store()
     waiting, failing = Guard(store, "pipe", 0, 30), Guard(store, "pipe", 1, 30)
     request = _Request()
     threading.Timer(0.1, lambda: failing.report("KeyError: 'planted'")).start()
@@ -61,7 +52,7 @@ def test_another_ranks_failure_ends_the_wait() -> None:
 
 
 def test_a_silent_peer_times_out_naming_it() -> None:
-    guard = Guard(_Store(), "pipe", rank=0, timeout_s=0.2)
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=0.2)
     request = _Request()
     with pytest.raises(PeerFailure, match=r"rank 0 waited 0.2 s for a gradient from rank 3"):
         guard.wait(request, "a gradient", peer=3)
@@ -69,7 +60,7 @@ def test_a_silent_peer_times_out_naming_it() -> None:
 
 
 def test_a_lost_connection_is_reported_with_the_peer() -> None:
-    guard = Guard(_Store(), "pipe", rank=2, timeout_s=30)
+    guard = Guard(_store(), "pipe", rank=2, timeout_s=30)
     request = _Request(ConnectionError("Connection closed by peer"))
     request.released.set()
     with pytest.raises(PeerFailure, match=r"rank 2 lost an activation from rank 0: Connection"):
@@ -77,7 +68,7 @@ def test_a_lost_connection_is_reported_with_the_peer() -> None:
 
 
 def test_the_first_local_report_is_kept() -> None:
-    store = _Store()
+    store = _store()
     guard = Guard(store, "pipe", rank=1, timeout_s=1)
     guard.report("first")
     guard.report("second")
@@ -85,3 +76,48 @@ def test_the_first_local_report_is_kept() -> None:
     assert store.get("pipe/failure") == b"rank 1: first"
     other: Any = Guard(store, "pipe", rank=0, timeout_s=1)
     assert other.failure() == "rank 1: first"
+
+
+def test_the_first_failure_of_any_rank_is_what_every_rank_reads() -> None:
+    # Rank 3 fails; rank 2's wait ends because of it and rank 2 reports its PeerFailure:
+    # every rank, rank 2 included, still reads rank 3's error (not a chain of relays).
+    store = _store()
+    first, relay, reader = (Guard(store, "pipe", r, 1) for r in (3, 2, 0))
+    first.report("ValueError: planted")
+    relay.report("PeerFailure: gpipe_fast: the step failed on rank 3: ValueError: planted")
+    assert first.origin and not relay.origin
+    for guard in (first, relay, reader):
+        assert guard.failure() == "rank 3: ValueError: planted"
+    assert relay.local is not None and relay.local.startswith("rank 2: PeerFailure")
+
+
+def test_the_reporting_rank_lingers_until_its_peers_have_read() -> None:
+    store = _store()
+    failing = Guard(store, "pipe", 0, 1, peers=2)
+    readers = [Guard(store, "pipe", r, 1) for r in (1, 2)]
+    failing.report("KeyError: 'planted'")
+    start = time.monotonic()
+    failing.linger(0.3)  # nobody has read it: the bound
+    assert time.monotonic() - start >= 0.3
+    for reader in readers:
+        reader.failure()
+        reader.failure()  # read twice, counted once
+    start = time.monotonic()
+    failing.linger(30)
+    assert time.monotonic() - start < 5  # both have read it: at once
+    assert int(store.add("pipe/failure-seen", 0)) == 2
+
+
+def test_a_rank_that_did_not_start_the_failure_does_not_linger() -> None:
+    store = _store()
+    Guard(store, "pipe", 1, 1).report("ValueError: first")
+    second = Guard(store, "pipe", 0, 1, peers=5)
+    second.report("PeerFailure: relayed")
+    start = time.monotonic()
+    second.linger(30)
+    assert time.monotonic() - start < 1
+
+
+def test_store_errors_lose_their_cpp_trace() -> None:
+    error = RuntimeError("Connection reset by peer\nException raised from recvBytes at x.cpp:1")
+    assert _first_line(error) == "Connection reset by peer"

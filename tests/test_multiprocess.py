@@ -352,6 +352,20 @@ def test_an_exception_on_one_rank_reaches_every_rank(two: Cluster) -> None:
     assert other.seconds < 20
 
 
+def test_every_rank_names_where_the_failure_started(four: Cluster) -> None:
+    # pp=2 x dp=2, rank 3 fails: ranks 0-2 learn it through different paths (its pipeline
+    # peer, the data-parallel reduction, a relay), and each names rank 3 and its KeyError,
+    # never a rank that failed only because rank 3 did.
+    replies = four.run("fail", timeout_s=60, failing_rank=3, pp=2)
+    four.reset()
+    assert replies[3].error_type == "KeyError"
+    for other in replies[:3]:
+        assert other.error_type == "PeerFailure", other
+        assert other.error.startswith("gpipe_fast: the step failed on rank 3: KeyError"), other
+        assert "planted on rank 3" in other.error
+        assert "PeerFailure" not in other.error  # not relayed through another rank
+
+
 def test_a_killed_rank_makes_the_others_raise() -> None:
     cluster = Cluster(2)
     try:

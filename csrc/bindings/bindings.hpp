@@ -11,5 +11,6 @@ void bind_device(pybind11::module_& m);
 void bind_partition(pybind11::module_& m);
 void bind_memory(pybind11::module_& m);
 void bind_copy(pybind11::module_& m);
+void bind_process(pybind11::module_& m);
 
 }  // namespace gpipe_fast::bindings

@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   gpipe_fast::bindings::bind_partition(m);
   gpipe_fast::bindings::bind_memory(m);  // after bind_executor: its defaults are Streams
   gpipe_fast::bindings::bind_copy(m);
+  gpipe_fast::bindings::bind_process(m);
 }

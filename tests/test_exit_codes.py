@@ -1,0 +1,71 @@
+"""Processes end with their own exit code after a failed step: no abort, the failure named."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CASE = str(Path(__file__).with_name("exit_case.py"))
+EXPECTED = {"raise": 1, "destroy": 1, "exit3": 3}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_job(failing: int, ending: str) -> list[tuple[int, str]]:
+    """Both ranks of a job over gloo, rank 0 hosting the TCP store: (exit code, stderr)."""
+    port = _free_port()
+    ranks = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo",
+                   OMP_NUM_THREADS="1")  # fmt: skip
+        ranks.append(
+            subprocess.Popen([sys.executable, CASE, str(failing), ending], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )  # fmt: skip
+    results = []
+    for process in ranks:
+        try:
+            _, err = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            pytest.fail(f"a rank of job (failing={failing}, {ending}) hung at exit")
+        results.append((process.returncode, err))
+    return results
+
+
+# 24 failed steps: the failing rank is the store's host or not, and each way of ending.
+JOBS = [(failing, ending) for failing in (0, 1) for ending in EXPECTED] * 4
+
+
+def test_failed_steps_end_with_the_processes_own_exit_codes() -> None:
+    aborted = []
+    for failing, ending in JOBS:
+        results = _run_job(failing, ending)
+        for rank, (code, err) in enumerate(results):
+            where = f"rank {rank} of job (failing={failing}, {ending})"
+            if code != EXPECTED[ending]:
+                aborted.append(f"{where}: exit code {code}\n{err[-2000:]}")
+            assert "terminate called" not in err, where
+            assert "Exception raised from" not in err, f"{where} printed a C++ trace:\n{err}"
+            if rank == failing:
+                assert f"caught ValueError: gpipe_fast: in cell {failing}" in err, where
+            else:  # the failure's rank and error, even when that rank hosts the store
+                assert f"caught PeerFailure: gpipe_fast: the step failed on rank {failing}: " \
+                    f"ValueError" in err, f"{where}:\n{err[-2000:]}"  # fmt: skip
+    assert not aborted, "\n\n".join(aborted)
+
+
+def test_a_successful_step_exits_zero() -> None:
+    for rank, (code, err) in enumerate(_run_job(-1, "raise")):
+        assert code == 0, f"rank {rank}: {code}\n{err[-2000:]}"
