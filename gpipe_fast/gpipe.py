@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_fast.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.evaluate import eval_step, forward_across_processes
 from gpipe_fast.inputs import check_loss_arguments
 from gpipe_fast.layout import check_device, make_layout
@@ -295,6 +296,34 @@ class GPipe(nn.Module):
             )  # fmt: skip
 
         return self._timed_step(train)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole model: returns the norm of every
+        gradient of the model (a tensor, the same value on every rank) and scales this
+        rank's gradients by ``max_norm / norm`` when that is below 1.
+
+        The norm covers every cell on every rank of ``pp_group``; a tied weight counts once
+        however many cells and ranks hold it, and ``dp_group`` replicas (whose gradients
+        are already summed) count once. Across processes it costs one all-reduce of one
+        number over ``pp_group``; call it on every rank, after the step's backward.
+        ``norm_type`` is a number > 0 or ``"inf"``; ``max_norm <= 0`` or another norm raises
+        ValueError."""
+        max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
+        pipeline = self._pipeline
+        groups = pipeline.groups if pipeline is not None else None
+        tied = pipeline.tied if pipeline is not None else None
+        return clip_grad_norm_(
+            self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach,
+            counted_elsewhere=tied.counted_elsewhere() if tied else set(),
+            reduce=groups.reduce_over_pipeline if groups is not None else None,
+            device=groups.device if groups is not None else torch.device("cpu"),
+        )  # fmt: skip
 
     def eval_step(
         self, input: Value | None, target: Any, loss_fn: LossFn, *, reduction: str = "mean"

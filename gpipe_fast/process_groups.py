@@ -45,6 +45,14 @@ class ProcessGroups:
                 f"gpipe_fast: an earlier step failed on {message}; {FAILED_STEP_ADVICE}"
             )
 
+    def reduce_over_pipeline(self, value: Tensor, op: str) -> None:
+        """`value` summed ("sum") or maximised ("max") over the pipeline group, in place."""
+        if not self.layout.multi_process:
+            return
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        request = dist.all_reduce(value, reduce_op, group=self.layout.pp_group, async_op=True)
+        self.guard.wait(request, "the other stages' gradient norms")
+
     def batch(self, local: int | None) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
         of cell 0 tells the others its input's size; replicas add theirs up."""

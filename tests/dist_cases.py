@@ -103,8 +103,10 @@ def train(
     pp: int,
     dp: int,
     ties: tuple[tuple[int, int], ...] = (),
+    clips: list[tuple[float, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients."""
+    """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients,
+    clipped by pipe.clip_grad_norm_(*clips[step]) when `clips` is given (and its norm)."""
     pp_group, dp_group, replica = groups(pp, dp)
     net = model(layers, ties=tuple(map(tuple, ties)))  # a queue turns the pairs into lists
     pipe = gf.GPipe(
@@ -118,9 +120,11 @@ def train(
             pipe.zero_grad(set_to_none=True)
             loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
                                    nn.functional.mse_loss)  # fmt: skip
+            norm = pipe.clip_grad_norm_(*clips[step]).item() if clips else None
             steps.append(
-                {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe)}
-            )
+                {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe),
+                 "norm": norm}
+            )  # fmt: skip
     finally:
         pipe.close()
     return {"steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell}

@@ -36,28 +36,39 @@ Ties = tuple[tuple[int, int], ...]
 
 
 def _reference(
-    layers: int, size: int, seed: int, ties: Ties = ()
-) -> tuple[float, dict[str, torch.Tensor]]:
-    """The whole model on the whole batch; a tied weight's gradient under each of its names."""
+    layers: int, size: int, seed: int, ties: Ties = (), clip: Any = None
+) -> tuple[float, dict[str, torch.Tensor], float | None]:
+    """The whole model on the whole batch: its loss, a tied weight's gradient under each of
+    its names (clipped by torch.nn.utils.clip_grad_norm_(*clip) when given) and that norm."""
     net = dist_cases.model(layers, ties=ties)
     x, y = dist_cases.batch(size, seed)
     loss = nn.functional.mse_loss(net(x), y)
     loss.backward()
+    norm = None if clip is None else nn.utils.clip_grad_norm_(net.parameters(), *clip).item()
     named = net.named_parameters(remove_duplicate=False)
-    return loss.item(), {n: p.grad for n, p in named}  # type: ignore[misc]
+    return loss.item(), {n: p.grad for n, p in named}, norm  # type: ignore[misc]
 
 
 def _check_steps(
-    results: list[dict[str, Any]], layers: int, batches: list[int], ties: Ties = ()
+    results: list[dict[str, Any]],
+    layers: int,
+    batches: list[int],
+    ties: Ties = (),
+    clips: list[Any] | None = None,
 ) -> None:
     """Each rank's loss is the whole batch's; the ranks' gradients together are the whole
-    model's, each parameter on exactly one pipeline rank (replicas agree)."""
+    model's, each parameter on exactly one pipeline rank (replicas agree); with `clips`, each
+    rank's norm is the whole model's and the gradients are clipped alike."""
     for step, size in enumerate(batches):
-        loss, grads = _reference(layers, size, seed=100 + step, ties=ties)
+        clip = clips[step] if clips else None
+        loss, grads, norm = _reference(layers, size, seed=100 + step, ties=ties, clip=clip)
         seen: dict[str, int] = {}
         for rank, result in enumerate(results):
             got = result["steps"][step]
             assert got["loss"] == pytest.approx(loss, rel=1e-12), (rank, step)
+            if clip is not None:
+                assert norm is not None and norm > clip[0]  # the clip did something
+                assert got["norm"] == pytest.approx(norm, rel=1e-10), (rank, step, clip)
             assert got["dtype"] == "torch.float64"
             for name, grad in got["grads"].items():
                 torch.testing.assert_close(
@@ -140,6 +151,20 @@ def test_a_tied_weight_is_reduced_once_per_group(two: Cluster, four: Cluster, la
     for result in results:  # every rank holding a copy checked it
         names = set(result["steps"][0]["grads"])
         assert names & {"0.weight", "4.weight"} or pp > 1
+
+
+@pytest.mark.parametrize("layout", list(TIE_LAYOUTS))
+def test_clip_grad_norm_is_the_whole_models(two: Cluster, four: Cluster, layout: str) -> None:
+    # pipe.clip_grad_norm_ on every rank equals torch's on the whole model (a tied weight
+    # once, dp replicas once) for the 2-, 1- and inf-norms, one per step.
+    processes, pp, dp, schedule, balance = TIE_LAYOUTS[layout]
+    ties, batches = ((0, 4),), [12, 7, 9]
+    clips = [(0.05, 2.0), (0.1, 1.0), (0.01, "inf")]
+    cluster = two if processes == 2 else four
+    results = _run(cluster, schedule=schedule, layers=4, balance=balance, chunks=3,
+                   checkpoint="except_last", batches=batches, pp=pp, dp=dp, ties=ties,
+                   clips=clips)  # fmt: skip
+    _check_steps(results, 4, batches, ties=ties, clips=clips)
 
 
 def test_zbv_puts_the_tied_embedding_and_head_on_one_rank(two: Cluster) -> None:

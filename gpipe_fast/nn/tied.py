@@ -143,6 +143,15 @@ class TiedGradients:
             requests.append(dist.all_reduce(grad, group=self.layout.pp_group, async_op=True))
         guard.wait(requests, "the tied parameters' gradients")
 
+    def counted_elsewhere(self) -> set[int]:
+        """This process's copies of the ties whose first cell another rank runs: that rank
+        counts the tie in the model's gradient norm, so that it counts once."""
+        return {
+            id(param)
+            for tie, (param, _, _) in zip(self.ties, self.shared, strict=True)
+            if param is not None and not self.layout.is_local(tie.cells[0])
+        }
+
     def local_tensors(self) -> list[Tensor]:
         """This process's tensor of each tie it holds, once each."""
         return [param for param, _, _ in self.shared if param is not None]

@@ -1,0 +1,68 @@
+"""Gradient clipping by the whole model's norm, however its cells are spread over ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+
+# Sums (or, for the inf-norm, takes the max of) a tensor over the ranks that hold the other
+# cells of the model, in place; None in one process.
+Reduce = Callable[[Tensor, str], None]
+
+
+def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, float]:
+    """(max_norm, norm_type) as floats, or ValueError/TypeError naming the bad argument."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+    if not max_norm > 0 or math.isnan(max_norm):
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    if isinstance(norm_type, str) and norm_type.lower() == "inf":
+        norm_type = math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise ValueError(f"norm_type must be a number > 0 or 'inf', got {norm_type!r}")
+    if not norm_type > 0 or math.isnan(norm_type):
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    return float(max_norm), float(norm_type)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    *,
+    counted_elsewhere: set[int],
+    reduce: Reduce | None,
+    device: torch.device,
+) -> Tensor:
+    """Clips the gradients of `parameters` (this rank's, each once) by the norm of every
+    gradient of the model, and returns that norm, the same tensor value on every rank.
+
+    A tensor whose id is in `counted_elsewhere` (a tied weight's copy that another rank
+    counts) is clipped but left out of this rank's share of the norm; `reduce` combines the
+    shares of the ranks: the p-th powers summed, or the maxima for the inf-norm, so the cost
+    is one all-reduce of one number."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    counted = [p.grad for p in with_grad if p.grad is not None and id(p) not in counted_elsewhere]
+    local = torch.nn.utils.get_total_norm(counted, norm_type, False, foreach)
+    dtype = local.dtype if counted else torch.float32
+    share = local.to(device=device, dtype=torch.float64)
+    if reduce is not None:
+        if math.isinf(norm_type):
+            reduce(share, "max")
+        else:
+            share = share.pow(norm_type)
+            reduce(share, "sum")
+            share = share.pow(1.0 / norm_type)
+    total = share.to(dtype)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the pipe's gradients is non-finite, so "
+            "it cannot be clipped (error_if_nonfinite=True); every rank raises alike"
+        )
+    torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
+    return total
