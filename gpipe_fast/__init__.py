@@ -12,6 +12,7 @@ except ImportError as error:  # no silent fallback: the engine is native
     ) from error
 
 from gpipe_fast.gpipe import GPipe
+from gpipe_fast.grad_scaler import GradScaler
 from gpipe_fast.guard import PeerFailure
 from gpipe_fast.memory import CellMemoryStats
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
@@ -29,6 +30,7 @@ __all__ = [
     "CellMemoryStats",
     "CellPlan",
     "GPipe",
+    "GradScaler",
     "PeerFailure",
     "Plan",
     "TaskSpan",

@@ -265,7 +265,13 @@ class GPipe(nn.Module):
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
-        self, input: Value, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+        self,
+        input: Value,
+        target: Any,
+        loss_fn: LossFn,
+        *,
+        reduction: str = "mean",
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of ``schedule``; returns
         the loss of the whole batch (a detached 0-dim tensor on the last cell's device).
@@ -277,22 +283,37 @@ class GPipe(nn.Module):
         ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
         (gradients accumulate, as backward() does: zero them between steps). The input's
         gradient reaches ``input.grad`` when it requires one. Under ``torch.no_grad()`` it
-        raises RuntimeError before running anything: see :meth:`eval_step`."""
+        raises RuntimeError before running anything: see :meth:`eval_step`.
+
+        With ``grad_scaler`` (a :class:`gpipe_fast.GradScaler` of this pipe, as
+        ``scaler.scale(loss).backward()`` does in plain PyTorch) each micro-batch's loss
+        gradient is multiplied by its scale; the loss returned stays unscaled. Then
+        ``scaler.step(optimizer); scaler.update()`` as usual."""
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "gpipe_fast: train_step computes gradients, but grad mode is off "
                 "(torch.no_grad() or torch.inference_mode()); for the loss alone, call "
                 "pipe.eval_step(x, target, loss_fn): it writes no .grad and records no graph"
             )
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                "grad_scaler must be a gpipe_fast.GradScaler (a torch.amp.GradScaler) or None, "
+                f"got {type(grad_scaler).__name__}"
+            )
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
             return _identity_train_step(input, target, loss_fn)
         self._check_initialised()
+        loss_scale = None
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            # Every rank asks, so that every rank's scaler is ready to unscale_.
+            device = pipeline.devices[pipeline.layout.local_stages[-1]]
+            loss_scale = grad_scaler.scale(torch.ones((), device=device))
 
         def train() -> torch.Tensor:
             return pipeline.train_step(
                 input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
-                training=self.training, reduction=reduction,
+                training=self.training, reduction=reduction, loss_scale=loss_scale,
             )  # fmt: skip
 
         return self._timed_step(train)

@@ -278,12 +278,14 @@ class Pipeline:
         checkpoint: str,
         training: bool,
         reduction: str,
+        loss_scale: Tensor | None = None,
     ) -> Tensor:
         check_loss_arguments(loss_fn, reduction)
         if self.groups is not None:
             return self._train_step_across_processes(
-                input, target, loss_fn, chunks, checkpoint if training else "never", reduction
-            )
+                input, target, loss_fn, chunks, checkpoint if training else "never", reduction,
+                loss_scale,
+            )  # fmt: skip
         given = as_tensors(input, "input")
         batch = batch_size(given, "input")
         with torch.no_grad():
@@ -291,7 +293,7 @@ class Pipeline:
             targets = scatter_target(target, batch, chunks)
         step, schedule = self._training_step(
             microbatches, [t.requires_grad for t in given], len(microbatches), checkpoint,
-            training, loss_fn, targets, loss_weights(batch, batch, chunks, reduction),
+            training, loss_fn, targets, loss_weights(batch, batch, chunks, reduction), loss_scale,
         )  # fmt: skip
         if self.tied:
             self.tied.before_step()
@@ -315,6 +317,7 @@ class Pipeline:
         loss_fn: LossFn,
         targets: list[Any],
         weights: list[float],
+        loss_scale: Tensor | None,
     ) -> tuple[Step, Any]:
         schedule, flags = self.schedules.train_step(count, checkpoint if training else "never")
         step = Step(
@@ -325,6 +328,7 @@ class Pipeline:
         context.loss_fn = loss_fn
         context.targets = targets
         context.loss_weights = weights
+        context.loss_scale = loss_scale
         return step, schedule
 
     def _train_step_across_processes(
@@ -335,6 +339,7 @@ class Pipeline:
         chunks: int,
         checkpoint: str,
         reduction: str,
+        loss_scale: Tensor | None,
     ) -> Tensor:
         """Every rank's share of a training step: the batch's size comes from cell 0's rank,
         the loss from the last cell's; cell 0's rank needs `input`, the last cell's `target`
@@ -346,6 +351,7 @@ class Pipeline:
         step, schedule = self._training_step(
             share.microbatches, [t.requires_grad for t in given], share.count, checkpoint, True,
             loss_fn, share.targets, loss_weights(share.batch, share.total, chunks, reduction),
+            loss_scale,
         )  # fmt: skip
         try:
             if self.tied:

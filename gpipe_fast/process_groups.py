@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,19 @@ class ProcessGroups:
 
     def reduce_over_pipeline(self, value: Tensor, op: str) -> None:
         """`value` summed ("sum") or maximised ("max") over the pipeline group, in place."""
-        if not self.layout.multi_process:
-            return
+        self._reduce(value, op, [self.layout.pp_group] if self.layout.multi_process else [])
+
+    def reduce_over_all(self, value: Tensor, op: str) -> None:
+        """`value` summed or maximised over every rank of the pipe: the pipeline group, then
+        the data-parallel replicas, in place."""
+        groups = [self.layout.pp_group] if self.layout.multi_process else []
+        self._reduce(value, op, groups + [g for g in [self.layout.dp_group] if g is not None])
+
+    def _reduce(self, value: Tensor, op: str, groups: list[Any]) -> None:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        request = dist.all_reduce(value, reduce_op, group=self.layout.pp_group, async_op=True)
-        self.guard.wait(request, "the other stages' gradient norms")
+        for group in groups:
+            request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
+            self.guard.wait(request, "a value every rank agrees on")
 
     def batch(self, local: int | None) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank

@@ -158,6 +158,8 @@ class Stage:
             grads: tuple[Any, ...] = (None,) * len(leaves)
             if value.requires_grad and wanted:
                 seed = torch.full_like(value, weight)
+                if step.loss_scale is not None:  # a grad_scaler's: the loss returned stays unscaled
+                    seed = seed * step.loss_scale.to(seed.device, non_blocking=True)
                 grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
         step.losses[m] = _weighted(value.detach(), weight)
         step.transport.deliver(GRADIENT, self.index, m, grads)

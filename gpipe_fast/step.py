@@ -85,6 +85,9 @@ class StepContext:
         self.loss_fn: LossFn | None = None
         self.targets: list[Any] = []
         self.loss_weights: list[float] = []
+        # The loss scale of a grad_scaler (a 0-dim tensor), multiplied into each loss's
+        # gradient; None: unscaled.
+        self.loss_scale: Tensor | None = None
         self.losses: list[Tensor | None] = [None] * count
 
     def input_grad_flags(self, stage: int, tensors: Sequence[Tensor]) -> list[bool]:

@@ -349,3 +349,56 @@ def load_whole_model(rank: int, world: int) -> dict[str, Any]:
     finally:
         pipe.close()
     return {"state": state, "errors": errors}
+
+
+def scaled(rank: int, world: int, *, pp: int, dp: int, planted: int) -> dict[str, Any]:
+    """Two steps with gf.GradScaler and SGD: a clean one, then one whose gradients hold an
+    inf on rank `planted` only. Every rank must step the first and skip the second."""
+    pp_group, dp_group, replica = groups(pp, dp)
+    pipe = gf.GPipe(model(4), [4, 4], chunks=2, schedule="1f1b", pp_group=pp_group,
+                    dp_group=dp_group, timeout=60)  # fmt: skip
+    scaler = gf.GradScaler(pipe, init_scale=512.0)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    params: list[dict[str, list[Any]]] = []
+    scales = []
+    try:
+        for step in range(2):
+            x, y = batch(8, seed=100 + step)
+            opt.zero_grad()
+            loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
+                                   nn.functional.mse_loss, grad_scaler=scaler)  # fmt: skip
+            if step == 1 and rank == planted:
+                next(pipe.parameters()).grad.view(-1)[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            params.append({k: v.tolist() for k, v in pipe.state_dict().items()})
+    finally:
+        pipe.close()
+    return {"loss": loss.item(), "params": params, "scales": scales}
+
+
+def autocast_bf16(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
+    """A float32 model's train_step under bf16 autocast on every rank: the loss, the
+    gradients, and the dtype the last cell's loss_fn saw."""
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    pipe = gf.GPipe(net, [4 // cells] * cells, chunks=2, schedule=schedule,
+                    pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    seen: list[str] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append(str(out.dtype))
+        return nn.functional.mse_loss(out.float(), target)
+
+    generator = torch.Generator().manual_seed(7)
+    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.train_step(x, y, loss_fn)
+    finally:
+        pipe.close()
+    grads = {k: v.grad.tolist() for k, v in pipe.state_dict(keep_vars=True).items()
+             if v.grad is not None}  # fmt: skip
+    return {"loss": loss.item(), "grads": grads, "seen": seen}

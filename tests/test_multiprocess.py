@@ -167,6 +167,48 @@ def test_clip_grad_norm_is_the_whole_models(two: Cluster, four: Cluster, layout:
     _check_steps(results, 4, batches, ties=ties, clips=clips)
 
 
+@pytest.mark.parametrize(("processes", "pp", "dp", "planted"), [(2, 2, 1, 1), (4, 2, 2, 3)])
+def test_grad_scaler_verdict_is_every_ranks(
+    two: Cluster, four: Cluster, processes: int, pp: int, dp: int, planted: int
+) -> None:
+    # An inf on one rank's gradients only: every rank skips that step, and every rank's
+    # scale is lowered alike; the clean step before equals plain SGD on the whole batch.
+    cluster = two if processes == 2 else four
+    results = values(cluster.run("scaled", pp=pp, dp=dp, planted=planted))
+    net = dist_cases.model(4)
+    plain_opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    x, y = dist_cases.batch(8, seed=100)
+    nn.functional.mse_loss(net(x), y).backward()
+    plain_opt.step()
+    for rank, result in enumerate(results):
+        assert result["scales"] == [512.0, 256.0], rank  # no growth, then the overflow
+        first, second = result["params"]
+        assert first == second, f"rank {rank} stepped on the overflowing step"
+        for name, value in first.items():
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64),
+                                       net.state_dict()[name], rtol=1e-10, atol=1e-12,
+                                       msg=f"rank {rank}, {name}")  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_bf16_autocast_reaches_every_rank(two: Cluster, schedule: str) -> None:
+    results = values(two.run("autocast_bf16", schedule=schedule))
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    generator = torch.Generator().manual_seed(7)
+    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 8, generator=generator)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(net(x).float(), y)
+    loss.backward()
+    seen = [dtype for result in results for dtype in result["seen"]]
+    assert seen == ["torch.bfloat16"] * 2  # the last cell's two micro-batches, in bf16
+    for rank, result in enumerate(results):
+        assert result["loss"] == pytest.approx(loss.item(), rel=2e-2), rank
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(torch.tensor(grad), net.state_dict(keep_vars=True)[name]
+                                       .grad, rtol=5e-2, atol=5e-3, msg=name)  # fmt: skip
+
+
 def test_zbv_puts_the_tied_embedding_and_head_on_one_rank(two: Cluster) -> None:
     # Under zbv rank 0 runs cells 0 and 3, the two ends of the V: the embedding and the head
     # that shares its weight are on one rank, whose copy gets the gradient of both uses.
