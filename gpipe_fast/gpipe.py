@@ -60,6 +60,31 @@ def _close_live_pipes() -> None:
         pipe.close()
 
 
+class Cells(nn.ModuleList):
+    """The pipe's cells, as torchgpipe's ``partitions``: an nn.ModuleList of nn.Sequential,
+    whose indices torch.distributed.checkpoint leaves out of its fully qualified names (see
+    GPipe._fqn_modifiers)."""
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict's hook for a module whose state_dict keys
+        # leave a level out: the cell index is not part of the model's keys.
+        return {str(k): str(k) for k in range(len(self))}
+
+
+class _LayersByName:
+    """This process's layers by their name in the model, for torch.distributed.checkpoint's
+    walk along a key (a cell index and a layer name may both be "1": not the cells')."""
+
+    def __init__(self, cells: Cells) -> None:
+        self._cells = cells
+
+    def __getattr__(self, name: str) -> nn.Module:
+        for cell in self._cells:
+            if name in cell._modules:
+                return cell._modules[name]  # type: ignore[return-value]
+        raise AttributeError(name)
+
+
 class TooFewDevicesError(ValueError, IndexError):
     """Fewer devices than cells. A ValueError, like every bad argument here, and an
     IndexError, which torchgpipe raised for it, so either ``except`` catches it."""
@@ -190,7 +215,8 @@ class GPipe(nn.Module):
         retie(cells, ties, here)
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
-        self.partitions = nn.ModuleList(local)
+        self.partitions = Cells(local)
+        self._layers_by_name = _LayersByName(self.partitions)
         # Layer name in the original module -> position in partitions, so state_dict keeps
         # the original keys (and, across processes, holds this process's cells only).
         self._cell_of = {name: k for k, cell in enumerate(local) for name in cell._modules}
@@ -225,6 +251,29 @@ class GPipe(nn.Module):
         _live_pipes.add(self)
         if self._pipeline is not None:
             self._pipeline.sync_copies()
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under the model's own names, as in ``state_dict()``."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _model_key(name, f"{prefix}." if prefix else ""), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers under the model's own names, as in ``state_dict()``."""
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _model_key(name, f"{prefix}." if prefix else ""), buffer
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys
+        # leave levels out: "partitions" and the cell index (Cells) are left out of a
+        # layer's fully qualified name, and a key's layer name is looked up among the
+        # layers. So get_state_dict(pipe, optimizer) keys the model's and the optimizer's
+        # state by the model's own names, as state_dict() does, and a checkpoint loads into
+        # another balance, another number of processes, or the plain model.
+        return {"partitions": "partitions", **dict.fromkeys(self._cell_of, "_layers_by_name")}
 
     @property
     def threads_per_cell(self) -> int | None:
@@ -718,11 +767,19 @@ def _default_threads_per_cell(
     return max(1, _cpu_cores() // cpu_cells)
 
 
+def _model_key(key: str, prefix: str) -> str:
+    """A key under the pipe ("partitions.<cell>.<layer>...") as the model's ("<layer>...")."""
+    if not key.startswith(prefix + "partitions."):
+        return key
+    rest = key[len(prefix) + len("partitions.") :]
+    return prefix + rest.split(".", 1)[1]
+
+
 def _strip_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, _meta: Any) -> None:
     for key in list(state):
-        if key.startswith(prefix + "partitions."):
-            rest = key[len(prefix) + len("partitions.") :]
-            state[prefix + rest.split(".", 1)[1]] = state.pop(key)
+        model_key = _model_key(key, prefix)
+        if model_key != key:
+            state[model_key] = state.pop(key)
 
 
 def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:

@@ -12,13 +12,20 @@ from typing import Any
 import gpt
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 import gpipe_fast as gf
 
 WIDTH = 5
 VOCAB = 11
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model(
@@ -402,3 +409,59 @@ def autocast_bf16(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
     grads = {k: v.grad.tolist() for k, v in pipe.state_dict(keep_vars=True).items()
              if v.grad is not None}  # fmt: skip
     return {"loss": loss.item(), "grads": grads, "seen": seen}
+
+
+CHECKPOINT_TIES = ((0, 4),)  # the first Linear's weight is the third's too
+
+
+def _checkpoint_pipe(pp: int, dp: int, schedule: str, balance: list[int], seed: int) -> Any:
+    pp_group, dp_group, replica = groups(pp, dp)
+    net = model(4, seed=seed, ties=CHECKPOINT_TIES)
+    pipe = gf.GPipe(net, balance, chunks=2, schedule=schedule, pp_group=pp_group,
+                    dp_group=dp_group, timeout=60)  # fmt: skip
+    return pipe, torch.optim.Adam(pipe.parameters(), lr=0.01), replica
+
+
+def _train_steps(pipe: Any, opt: Any, replica: int, dp: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(8, seed=300 + step)
+        opt.zero_grad()
+        loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
+                               nn.functional.mse_loss)  # fmt: skip
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def dcp_save(
+    rank: int, world: int, *, path: str, pp: int, dp: int, schedule: str, balance: list[int]
+) -> dict[str, Any]:
+    """Two Adam steps, a DCP checkpoint of model and optimizer (get_state_dict, flattened),
+    then two more steps: the losses a resumed run must see."""
+    pipe, opt, replica = _checkpoint_pipe(pp, dp, schedule, balance, seed=0)
+    try:
+        _train_steps(pipe, opt, replica, dp, range(2))
+        model_state, optim_state = get_state_dict(pipe, opt, options=FLAT)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        after = _train_steps(pipe, opt, replica, dp, range(2, 4))
+    finally:
+        pipe.close()
+    return {"after": after, "keys": sorted(model_state), "optim_keys": sorted(optim_state)}
+
+
+def dcp_load(
+    rank: int, world: int, *, path: str, pp: int, dp: int, schedule: str, balance: list[int]
+) -> dict[str, Any]:
+    """Another initialisation, then the checkpoint loaded (set_state_dict) and two steps."""
+    pipe, opt, replica = _checkpoint_pipe(pp, dp, schedule, balance, seed=99)
+    try:
+        model_state, optim_state = get_state_dict(pipe, opt, options=FLAT)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(pipe, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=FLAT)  # fmt: skip
+        after = _train_steps(pipe, opt, replica, dp, range(2, 4))
+    finally:
+        pipe.close()
+    return {"after": after}
