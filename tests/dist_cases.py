@@ -465,3 +465,17 @@ def dcp_load(
     finally:
         pipe.close()
     return {"after": after}
+
+
+def dcp_save_dies(rank: int, world: int, *, path: str, dying: int) -> dict[str, Any]:
+    """A step, then a DCP save during which rank `dying` dies: the others must raise."""
+    pipe, opt, replica = _checkpoint_pipe(world, 1, "1f1b", [4, 4], seed=0)
+    try:
+        _train_steps(pipe, opt, replica, 1, range(1))
+        model_state, optim_state = get_state_dict(pipe, opt, options=FLAT)
+        if rank == dying:
+            os._exit(5)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    finally:
+        pipe.close()
+    return {"saved": True}

@@ -164,3 +164,17 @@ def test_get_state_dict_keys_in_one_process_are_the_plain_models() -> None:
     assert set(model_state) == model_keys and set(nested_model) == model_keys
     assert set(optim_state) == optim_keys
     assert set(nested_optim["state"]) == {k for k in model_keys if k != "4.weight"}
+
+
+def test_a_rank_dying_while_saving_makes_the_others_raise(tmp_path: Any) -> None:
+    cluster = Cluster(2)
+    try:
+        for q in cluster.requests:
+            q.put(("dcp_save_dies", {"path": str(tmp_path / "ckpt"), "dying": 1}))
+        (survivor,) = cluster.collect_survivors("dcp_save_dies", {0}, timeout_s=90)
+        assert survivor.failed, survivor  # raised, not hung, not "saved"
+        assert survivor.seconds < 60, survivor
+        cluster.processes[1].join(timeout=30)
+        assert cluster.processes[1].exitcode == 5
+    finally:
+        cluster.close()
