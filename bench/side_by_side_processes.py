@@ -1,21 +1,32 @@
-"""Two processes, one stage each: gpipe_fast across processes vs torch.distributed.pipelining.
+"""Two processes: gpipe_fast against torch.distributed.pipelining, as users run them.
 
-The workload of side_by_side_frameworks.py: 8 x (Linear(1024, 1024) + ReLU), batch 256, M = 8,
-two stages of 4 layers, no re-materialisation, loss = the output's sum, one intra-op thread per
-process. Two persistent worker processes joined by gloo over 127.0.0.1 each hold, with its own
-copy of its stage, every contender:
+Every schedule of ours against torch's same-named one, on two workloads, one process per
+rank (gloo over 127.0.0.1), with a real loss (MSE against a target) and an SGD step, and the
+thread settings left as the user left them (run with and without OMP_NUM_THREADS=1):
 
-- gpipe_fast: GPipe(..., pp_group=WORLD) train_step under "gpipe" and "1f1b";
-- torch.distributed.pipelining: PipelineStage + ScheduleGPipe and + Schedule1F1B;
-- the floor: the stage's own forward and backward of the 8 micro-batches in turn, alone (no
-  pipeline), on each rank; a 2-stage pipeline of these can at best take the slower rank's
-  time x (M + K - 1) / M.
+- compute-bound: 8 x (Linear(1024, 1024) + ReLU), batch 256, M = 8;
+- overhead-bound: 8 x (Linear(128, 128) + ReLU), batch 512, M = 32 (tasks of about 100 us,
+  where a runtime's own cost per task and per message shows).
 
-Rounds interleave the contenders (order rotated each round); a step is timed from the request
-to both workers to their last reply. gpipe_fast's communication per step is read from one
-recorded step's timeline (its communication worker's send and receive tasks).
+Contenders, each with its own copy of the model and its own optimizer on each rank:
 
-    python bench/side_by_side_processes.py [--rounds 15] [--json out.json]
+| ours (GPipe(schedule=...)) | torch.distributed.pipelining |
+|---|---|
+| gpipe | ScheduleGPipe |
+| 1f1b | Schedule1F1B |
+| interleaved (V = 2) | ScheduleInterleaved1F1B (V = 2) |
+| zero_bubble | (none with one stage per rank: ScheduleInterleavedZeroBubble needs V >= 2) |
+| zbv | ScheduleZBVZeroBubble |
+
+The floor: each rank's own work alone (its half of the model, forward and backward of the M
+micro-batches in turn, and its SGD step), timed in the same rounds; a two-stage pipeline
+can at best take the slower rank's time x (M + 1) / M. Rounds interleave the contenders
+(order rotated each round); a step is timed from the request to both ranks to their last
+reply. For our schedules one recorded step per schedule gives each rank's compute,
+communication (sends on the compute worker, receives on their own) and idle time.
+
+    python bench/side_by_side_processes.py [--workload compute|overhead|both] [--rounds 10]
+    OMP_NUM_THREADS=1 python bench/side_by_side_processes.py ...
 """
 
 from __future__ import annotations
@@ -29,87 +40,152 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from side_by_side_cpu import BATCH, BLOCKS, CHUNKS, WIDTH, build_model
 from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
 
-CONTENDERS = ("gpipe_fast gpipe", "gpipe_fast 1f1b", "ScheduleGPipe", "Schedule1F1B", "floor")
-REPLY_TIMEOUT_S = 300.0
-HALF = BLOCKS // 2  # blocks (Linear + ReLU) per rank
+WORKLOADS = {  # width, batch, micro-batches
+    "compute": (1024, 256, 8),
+    "overhead": (128, 512, 32),
+}
+BLOCKS = 8
+PAIRS = (  # (ours, torch's), None where torch has no counterpart
+    ("gpipe", "ScheduleGPipe"),
+    ("1f1b", "Schedule1F1B"),
+    ("interleaved", "ScheduleInterleaved1F1B"),
+    ("zero_bubble", None),
+    ("zbv", "ScheduleZBVZeroBubble"),
+)
+REPLY_TIMEOUT_S = 600.0
+LR = 1e-3
 
 
-def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return output.sum()
+def build_model(width: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                           for _ in range(BLOCKS)])  # fmt: skip
 
 
-def _contenders(rank: int, x: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Each contender's step on this rank, and gpipe_fast's pipes (for their timelines)."""
+def _stages_of(schedule: str, rank: int) -> list[int]:
+    """The stages (of 2 or 4 equal ones) that `rank` runs under `schedule`."""
+    if schedule in ("interleaved", "ScheduleInterleaved1F1B"):
+        return [rank, rank + 2]
+    if schedule in ("zbv", "ScheduleZBVZeroBubble"):
+        return [rank, 3 - rank]
+    return [rank]
+
+
+def _ours(schedule: str, width: int, chunks: int, x: Any, y: Any) -> tuple[Any, Any]:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     import gpipe_fast as gf
 
-    steps: dict[str, Any] = {}
-    pipes = {}
-    for schedule in ("gpipe", "1f1b"):
-        pipe = gf.GPipe(
-            build_model(),
-            [HALF, HALF],
-            chunks=CHUNKS,
-            checkpoint="never",
-            schedule=schedule,
-            pp_group=dist.group.WORLD,
-        )
-        pipes[schedule] = pipe
-        steps[f"gpipe_fast {schedule}"] = lambda p=pipe: p.train_step(x, x, _sum_loss)
-    target = torch.zeros(BATCH)
-    for name, kind in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
-        half = build_model()[HALF * rank : HALF * (rank + 1)]
-        stage = PipelineStage(half, rank, 2, torch.device("cpu"))
-        schedule = kind(stage, CHUNKS, loss_fn=_sum_loss, scale_grads=False)
-        steps[name] = (
-            (lambda s=schedule: s.step(x))
-            if rank == 0
-            else (lambda s=schedule: s.step(target=target))
-        )
-    half = build_model()[HALF * rank : HALF * (rank + 1)]
-    inputs = [m.detach().requires_grad_(rank > 0) for m in x.chunk(CHUNKS)]
+    cells = 4 if schedule in ("interleaved", "zbv") else 2
+    pipe = gf.GPipe(build_model(width), [BLOCKS // cells] * cells, chunks=chunks,
+                    checkpoint="never", schedule=schedule, pp_group=dist.group.WORLD)  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
 
-    def floor() -> None:
-        for micro in inputs:
-            half(micro).sum().backward()
+    def step() -> None:
+        opt.zero_grad()
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        opt.step()
 
-    steps["floor"] = floor
-    return steps, pipes
+    return step, pipe
 
 
-def _communication(pipe: Any, x: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of one recorded step in its sends (posted by the compute worker) and its
-    receives (the communication worker's, waiting for the data included)."""
+def _torch(name: str, rank: int, width: int, chunks: int, x: Any, y: Any) -> Any:
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    stages = _stages_of(name, rank)
+    count = 4 if len(stages) == 2 else 2
+    per = BLOCKS // count
+    model = build_model(width)
+    pipeline_stages = [
+        PipelineStage(model[per * s : per * (s + 1)], s, count, torch.device("cpu"))
+        for s in stages
+    ]
+    params = [p for stage in pipeline_stages for p in stage.submod.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    kind = getattr(schedules, name)
+    arg = pipeline_stages[0] if len(stages) == 1 else pipeline_stages
+    schedule = kind(arg, chunks, loss_fn=nn.functional.mse_loss)
+    first, last = 0 in stages, count - 1 in stages
+
+    def step() -> None:
+        opt.zero_grad()
+        args = (x,) if first else ()
+        kwargs = {"target": y} if last else {}
+        schedule.step(*args, **kwargs)
+        opt.step()
+
+    return step
+
+
+def _floor(rank: int, width: int, chunks: int, x: Any, y: Any) -> Any:
+    """This rank's half of the model alone: forward and backward of each micro-batch in
+    turn and its SGD step (the last rank's with the loss)."""
+    half = build_model(width)[BLOCKS // 2 * rank : BLOCKS // 2 * (rank + 1)]
+    opt = torch.optim.SGD(half.parameters(), lr=LR)
+    inputs = [m.detach().requires_grad_(rank > 0) for m in x.chunk(chunks)]
+    targets = list(y.chunk(chunks))
+
+    def step() -> None:
+        opt.zero_grad()
+        for micro, target in zip(inputs, targets, strict=True):
+            out = half(micro)
+            if rank == 1:
+                nn.functional.mse_loss(out, target).backward()
+            else:
+                out.backward(torch.ones_like(out))
+        opt.step()
+
+    return step
+
+
+def _breakdown(pipe: Any, step: Any) -> dict[str, float]:
+    """One recorded step: this rank's compute, communication and idle, in ms."""
+    from gpipe_fast.schedules import communication_actions
+
     pipe.record_timeline()
-    pipe.train_step(x, x, _sum_loss)
-    spans = pipe.timeline().spans  # sends follow their producer; receives on their worker
+    step()
+    timeline = pipe.timeline()
     pipe.record_timeline(False)
-    return {
-        "sends_ms": sum(s.duration_s for s in spans if s.kind.startswith("send")) * 1e3,
-        "receives_ms": sum(s.duration_s for s in spans if s.kind.startswith("recv")) * 1e3,
-    }
+    communication = communication_actions()
+    spans = timeline.spans
+    compute = sum(s.duration_s for s in spans if s.kind not in communication)
+    sends = sum(s.duration_s for s in spans if s.kind.startswith("send"))
+    receives = sum(s.duration_s for s in spans if s.kind.startswith("recv"))
+    makespan = timeline.makespan
+    return {"makespan_ms": makespan * 1e3, "compute_ms": compute * 1e3,
+            "sends_ms": sends * 1e3, "receives_ms": receives * 1e3,
+            "idle_ms": max(0.0, makespan - compute - sends) * 1e3}  # fmt: skip
 
 
 def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> None:
-    """One rank of every contender; runs a step of the named one per request until "stop"."""
+    """Every contender of every workload on this rank; one step of the named one per request."""
     import torch.distributed as dist
 
     try:
-        join_gloo(rank, port, REPLY_TIMEOUT_S)
-        torch.manual_seed(1)
-        x = torch.randn(BATCH, WIDTH)
-        steps, pipes = _contenders(rank, x)
-        replies.put((rank, "ready", None, None))
+        join_gloo(rank, port, REPLY_TIMEOUT_S, pin_threads=False)
+        steps: dict[str, Any] = {}
+        pipes: dict[str, Any] = {}
+        for workload in json.loads(os.environ["GPIPE_BENCH_WORKLOADS"]):
+            width, batch, chunks = WORKLOADS[workload]
+            generator = torch.Generator().manual_seed(1)
+            x = torch.randn(batch, width, generator=generator)
+            y = torch.randn(batch, width, generator=generator)
+            for ours, theirs in PAIRS:
+                steps[f"{workload}/{ours}"], pipes[f"{workload}/{ours}"] = _ours(
+                    ours, width, chunks, x, y
+                )
+                if theirs is not None:
+                    steps[f"{workload}/{theirs}"] = _torch(theirs, rank, width, chunks, x, y)
+            steps[f"{workload}/floor"] = _floor(rank, width, chunks, x, y)
+        replies.put((rank, "ready", torch.get_num_threads(), None))
         for request in requests_of(requests, parent):
-            if request == "communication":
-                value = {s: _communication(p, x) for s, p in pipes.items()}
+            if request == "breakdown":
+                value = {name: _breakdown(pipe, steps[name]) for name, pipe in pipes.items()}
                 replies.put((rank, request, value, None))
                 continue
             dist.barrier()  # both ranks start the step together
@@ -122,76 +198,80 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
         leave_gloo()
 
 
+def _report(workload: str, wall: dict[str, list[float]], own: dict[str, list[list[float]]],
+            breakdown: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    width, batch, chunks = WORKLOADS[workload]
+    medians = {name: statistics.median(v) for name, v in wall.items() if v}
+    alone = [statistics.median(r[rank] for r in own[f"{workload}/floor"]) for rank in range(2)]
+    floor = max(alone) * (chunks + 1) / chunks
+    print(f"\n{workload}-bound: 8 x Linear({width}), batch {batch}, M = {chunks}; each rank "
+          f"alone {alone[0] * 1e3:.1f} and {alone[1] * 1e3:.1f} ms; "
+          f"floor {floor * 1e3:.1f} ms")  # fmt: skip
+    print(f"{'ours':<13}{'ms':>8}{'x floor':>9}   {'torch':<25}{'ms':>8}{'x floor':>9}"
+          f"{'ours faster':>13}")  # fmt: skip
+    rows = []
+    for ours, theirs in PAIRS:
+        mine = medians[f"{workload}/{ours}"]
+        row: dict[str, Any] = {"ours": ours, "ms": mine * 1e3, "x_floor": mine / floor}
+        line = f"{ours:<13}{mine * 1e3:>8.1f}{mine / floor:>9.2f}   "
+        if theirs is not None:
+            other = medians[f"{workload}/{theirs}"]
+            row.update(torch=theirs, torch_ms=other * 1e3, speedup=other / mine)
+            line += f"{theirs:<25}{other * 1e3:>8.1f}{other / floor:>9.2f}{other / mine:>12.2f}x"
+        else:
+            line += f"{'-':<25}"
+        print(line)
+        rows.append(row)
+    print("our timeline per rank (one recorded step): compute / sends / receives / idle ms")
+    for ours, _ in PAIRS:
+        parts = [breakdown[rank][f"{workload}/{ours}"] for rank in range(2)]
+        cells = [
+            f"rank {r}: {p['compute_ms']:.1f} / {p['sends_ms']:.1f} / {p['receives_ms']:.1f}"
+            f" / {p['idle_ms']:.1f} of {p['makespan_ms']:.1f}"
+            for r, p in enumerate(parts)
+        ]
+        print(f"  {ours:<12}" + "   ".join(cells))
+    return {"floor_ms": floor * 1e3, "alone_ms": [a * 1e3 for a in alone], "rows": rows,
+            "breakdown": [{k: v for k, v in b.items() if k.startswith(workload)}
+                          for b in breakdown]}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--workload", choices=("compute", "overhead", "both"), default="both")
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
+    os.environ["GPIPE_BENCH_WORKLOADS"] = json.dumps(workloads)  # the spawned workers read it
+    omp = os.environ.get("OMP_NUM_THREADS")
     workers = WorkerPair(worker, REPLY_TIMEOUT_S)
-    wall: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    own: dict[str, list[list[float]]] = {name: [] for name in CONTENDERS}
+    threads = workers.ready
+    print(f"OMP_NUM_THREADS={omp or 'unset'}; intra-op threads per rank at start: {threads}; "
+          f"{args.rounds} rounds, medians")  # fmt: skip
+    results: dict[str, Any] = {"omp_num_threads": omp, "threads": threads}
     try:
-        for round_ in range(args.warmup + args.rounds):
-            shift = round_ % len(CONTENDERS)
-            for name in CONTENDERS[shift:] + CONTENDERS[:shift]:
-                start = time.perf_counter()
-                seconds = workers.ask(name, name)
-                if round_ >= args.warmup:
-                    wall[name].append(time.perf_counter() - start)
-                    own[name].append(seconds)
-        communication = workers.ask("communication", "communication")
+        for workload in workloads:
+            names = [f"{workload}/{n}" for pair in PAIRS for n in pair if n is not None]
+            names.append(f"{workload}/floor")
+            wall: dict[str, list[float]] = {name: [] for name in names}
+            own: dict[str, list[list[float]]] = {name: [] for name in names}
+            for round_ in range(args.warmup + args.rounds):
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
+                    start = time.perf_counter()
+                    seconds = workers.ask(name, name)
+                    if round_ >= args.warmup:
+                        wall[name].append(time.perf_counter() - start)
+                        own[name].append(seconds)
+            breakdown = workers.ask("breakdown", "breakdown")
+            results[workload] = _report(workload, wall, own, breakdown)
     finally:
         workers.stop()
-    medians = {name: statistics.median(values) for name, values in wall.items()}
-    # The floor: the slower rank's compute alone (median over rounds), filled and drained.
-    alone = [statistics.median(r[rank] for r in own["floor"]) for rank in range(2)]
-    floor = max(alone) * (CHUNKS + 1) / CHUNKS
-    rows = []
-    for name in CONTENDERS[:-1]:
-        rows.append(
-            {
-                "contender": name,
-                "ms": medians[name] * 1e3,
-                "vs floor": medians[name] / floor,
-            }
-        )
-    print(
-        f"{args.rounds} rounds; each rank's compute alone: "
-        f"{alone[0] * 1e3:.1f} ms and {alone[1] * 1e3:.1f} ms; pipeline floor "
-        f"{floor * 1e3:.1f} ms (the slower x (M + 1) / M)"
-    )
-    print(f"{'contender':<20}{'ms':>9}{'vs floor':>10}")
-    for row in rows:
-        print(f"{row['contender']:<20}{row['ms']:>9.1f}{row['vs floor']:>10.2f}")
-    for ours, theirs in (
-        ("gpipe_fast gpipe", "ScheduleGPipe"),
-        ("gpipe_fast 1f1b", "Schedule1F1B"),
-    ):
-        print(f"{ours} is {medians[theirs] / medians[ours]:.2f}x {theirs}'s speed (target >= 1.3x)")
-    for schedule in ("gpipe", "1f1b"):
-        parts = [communication[rank][schedule] for rank in range(2)]
-        print(
-            f"gpipe_fast {schedule} communication per step (one recorded step): "
-            + "; ".join(
-                f"rank {r}: sends {p['sends_ms']:.1f} ms, receives {p['receives_ms']:.1f}"
-                f" ms (waiting included)"
-                for r, p in enumerate(parts)
-            )
-        )
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(
-                {
-                    "medians_s": medians,
-                    "alone_s": alone,
-                    "floor_s": floor,
-                    "communication_ms": communication,
-                    "samples_s": wall,
-                },
-                out,
-                indent=2,
-            )
+            json.dump(results, out, indent=2)
     return 0
 
 

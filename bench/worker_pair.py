@@ -24,13 +24,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join_gloo(rank: int, port: int, timeout_s: float) -> None:
-    """Joins this worker to the pair's gloo group, on loopback, with one intra-op thread."""
+def join_gloo(rank: int, port: int, timeout_s: float, pin_threads: bool = True) -> None:
+    """Joins this worker to the pair's gloo group, on loopback, with one intra-op thread
+    (`pin_threads`) or the threads as the environment leaves them (as users run)."""
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    if pin_threads:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -81,7 +83,7 @@ class WorkerPair:
         ]
         for process in self.processes:
             process.start()
-        self.ask(None, "ready")
+        self.ready = self.ask(None, "ready")  # what each rank said when it was ready
 
     def ask(self, request: str | None, expected: str) -> list[Any]:
         """Sends `request` to both ranks (None: nothing) and returns their values by rank."""
