@@ -11,9 +11,8 @@ except ImportError as error:  # no silent fallback: the engine is native
         f"the loader said: {error}"
     ) from error
 
-from gpipe_fast.gpipe import GPipe
-from gpipe_fast.guard import PeerFailure
-from gpipe_fast.memory import CellMemoryStats
+from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.planning.balance import (
     balance_by_costs,
@@ -23,7 +22,8 @@ from gpipe_fast.planning.balance import (
     partition,
 )
 from gpipe_fast.planning.plan import CellPlan, Plan, plan
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.memory import CellMemoryStats
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 __all__ = [
     "CellMemoryStats",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast import gpipe as gpipe_module
+from gpipe_fast.api import gpipe as gpipe_module
 
 from helpers import assert_same_run, mlp, native_threads, pipe_run, reference_run
 
@@ -352,7 +352,7 @@ def test_too_few_devices_is_both_value_and_index_error() -> None:
     for error in (ValueError, IndexError):
         with pytest.raises(error, match="devices: 3 cells need 3 devices, got 2"):
             gf.GPipe(mlp(3), [2, 2, 2], devices=["cpu", "cpu"])
-    with pytest.raises(gf.gpipe.TooFewDevicesError, match="devices"):
+    with pytest.raises(gf.api.gpipe.TooFewDevicesError, match="devices"):
         gf.GPipe(mlp(1), devices=[])
 
 

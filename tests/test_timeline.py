@@ -16,7 +16,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.timeline import Timeline
 
 from helpers import Sleepy, device_sleep_cycles
 

@@ -20,7 +20,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.demo import report as report
-from gpipe_fast.schedules import SCHEDULES, schedule_kind
+from gpipe_fast.schedule.registry import SCHEDULES, schedule_kind
 
 _INPUTS = 32  # features of the synthetic data
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported

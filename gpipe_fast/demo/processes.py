@@ -20,7 +20,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.demo import report
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 # Each process's workers: its compute worker (which also posts the sends) and the workers
 # receiving activations and gradients.

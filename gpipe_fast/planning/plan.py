@@ -35,8 +35,8 @@ from gpipe_fast.planning.profile import (
     profile_layers,
     resolve_device,
 )
-from gpipe_fast.schedules import check_schedule, placement, schedule_kind
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.timeline import Timeline
+from gpipe_fast.schedule.registry import check_schedule, placement, schedule_kind
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -325,7 +325,7 @@ def _spread(costs: Sequence[StageCosts], balance: Sequence[int]) -> list[float]:
 def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:
     """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
     or OMP_NUM_THREADS set, which GPipe leaves alone)."""
-    from gpipe_fast.gpipe import _default_threads_per_cell
+    from gpipe_fast.api.gpipe import _default_threads_per_cell
 
     target = resolve_device(device, module)
     return _default_threads_per_cell([target] * cells)

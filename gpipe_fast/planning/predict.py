@@ -68,7 +68,7 @@ def task_overhead(
     nothing (nn.Identity) on CPU, its median time divided by the makespan its schedule would
     have with one unit per task. Covers what every task pays whatever the layers: the
     executor's hand-offs, the Python task body, the autograd engine's entry."""
-    from gpipe_fast.gpipe import GPipe  # a pipe depends on this module's package
+    from gpipe_fast.api.gpipe import GPipe  # a pipe depends on this module's package
 
     devices = ["cpu"] * workers
     pipe = GPipe(

@@ -11,12 +11,12 @@ from torch import Tensor
 from gpipe_fast.nn.cell import AutocastState
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.randomness import draw_step_seed
-from gpipe_fast.schedules import actions
-from gpipe_fast.stage import Stage
-from gpipe_fast.transport import ACTIVATION, GRADIENT
+from gpipe_fast.runtime.stage import Stage
+from gpipe_fast.schedule.registry import actions
+from gpipe_fast.transport.local import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
-    from gpipe_fast.pipeline import Pipeline
+    from gpipe_fast.runtime.pipeline import Pipeline
 
 LossFn = Callable[[Any, Any], Tensor]
 

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.dist_transport import DistTransport
-from gpipe_fast.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
+from gpipe_fast.distributed.dist_transport import DistTransport
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size, gather, scatter
-from gpipe_fast.pipeline import Pipeline
-from gpipe_fast.step import LossFn, Step
+from gpipe_fast.runtime.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
+from gpipe_fast.runtime.pipeline import Pipeline
+from gpipe_fast.runtime.step import LossFn, Step
 
 
 def eval_step(

@@ -25,13 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.bridge import Enter, Exit
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.dist_transport import DistTransport
-from gpipe_fast.grad_reduce import sum_gradients
-from gpipe_fast.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
-from gpipe_fast.layout import ProcessLayout
+from gpipe_fast.distributed.dist_transport import DistTransport
+from gpipe_fast.distributed.grad_reduce import sum_gradients
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.process_groups import ProcessGroups
+from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.checkpoint import recomputed_microbatches
@@ -45,11 +45,11 @@ from gpipe_fast.nn.microbatch import (
 )
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
-from gpipe_fast.process_groups import ProcessGroups
-from gpipe_fast.schedules import ScheduleCache, schedule_kind
-from gpipe_fast.step import LossFn, Step
-from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
-from gpipe_fast.transport import LocalTransport
+from gpipe_fast.runtime.bridge import Enter, Exit
+from gpipe_fast.runtime.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
+from gpipe_fast.runtime.step import LossFn, Step
+from gpipe_fast.schedule.registry import ScheduleCache, schedule_kind
+from gpipe_fast.transport.local import LocalTransport
 
 # pipe(x) with gradients cannot serve a pipe of several processes: loss.backward() on one rank
 # would not reach the other ranks' cells, nor sum the replicas' gradients.
@@ -243,7 +243,7 @@ class Pipeline:
 
     def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
         if self.groups is not None and (torch.is_grad_enabled() or self.layout.multi_process):
-            raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.evaluate
+            raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.runtime.evaluate
         with torch.no_grad():
             microbatches = scatter(input, chunks)
         given = as_tensors(input, "input")

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe_fast import wire
-from gpipe_fast.guard import Guard
-from gpipe_fast.layout import ProcessLayout
-from gpipe_fast.transport import ACTIVATION, Flow, LocalTransport, Payload
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.local import ACTIVATION, Flow, LocalTransport, Payload
 
 
 class DistTransport:

@@ -17,11 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_fast.clip import check_clip_arguments, clip_grad_norm_
-from gpipe_fast.evaluate import eval_step, forward_across_processes
-from gpipe_fast.inputs import check_loss_arguments
-from gpipe_fast.layout import check_device, make_layout
-from gpipe_fast.memory import CellMemoryStats, memory_stats
+from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
+from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
     ADVICE,
@@ -34,11 +31,14 @@ from gpipe_fast.nn.materialize import (
 )
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
-from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.planning.balance import balance_by_params
-from gpipe_fast.schedules import check_schedule, placement, schedule_kind
-from gpipe_fast.step import LossFn
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.evaluate import eval_step, forward_across_processes
+from gpipe_fast.runtime.inputs import check_loss_arguments
+from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
+from gpipe_fast.runtime.pipeline import Pipeline
+from gpipe_fast.runtime.step import LossFn
+from gpipe_fast.runtime.timeline import Timeline
+from gpipe_fast.schedule.registry import check_schedule, placement, schedule_kind
 
 Device = torch.device | str | int
 CHECKPOINT_MODES = ("always", "except_last", "never")

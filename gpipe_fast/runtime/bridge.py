@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.nn.microbatch import as_tensors
-from gpipe_fast.step import Step
+from gpipe_fast.runtime.step import Step
 
 
 class Enter(torch.autograd.Function):

@@ -11,7 +11,7 @@ from torch import Tensor
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size, scatter, split_sizes
 
 if TYPE_CHECKING:
-    from gpipe_fast.pipeline import Pipeline
+    from gpipe_fast.runtime.pipeline import Pipeline
 
 REDUCTIONS = ("mean", "sum")
 

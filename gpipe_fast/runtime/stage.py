@@ -11,10 +11,10 @@ from torch import Tensor
 
 from gpipe_fast.nn.cell import Boundary, Cell
 from gpipe_fast.nn.microbatch import Value, as_tensors, like
-from gpipe_fast.transport import ACTIVATION, GRADIENT
+from gpipe_fast.transport.local import ACTIVATION, GRADIENT
 
 if TYPE_CHECKING:
-    from gpipe_fast.step import StepContext
+    from gpipe_fast.runtime.step import StepContext
 
 
 def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:

@@ -10,8 +10,8 @@ import torch
 from gpipe_fast.nn.microbatch import as_tensors
 
 if TYPE_CHECKING:
-    from gpipe_fast.pipeline import Pipeline
-    from gpipe_fast.step import Step
+    from gpipe_fast.runtime.pipeline import Pipeline
+    from gpipe_fast.runtime.step import Step
 
 
 class CellMemoryStats(TypedDict):
