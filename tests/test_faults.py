@@ -20,6 +20,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.arguments import CHECKPOINT_MODES
 
 from helpers import (
     RaiseInBackward,
@@ -111,7 +112,7 @@ def _check_recovers(pipe: gf.GPipe, module: nn.Sequential, x: torch.Tensor, work
 def _cases() -> list[tuple[int, int, str, str]]:
     cases = []
     for cell, m, where, checkpoint in itertools.product(
-        range(K), FIRST_MIDDLE_LAST, ("forward", "recompute", "backward"), gf.api.gpipe.CHECKPOINT_MODES
+        range(K), FIRST_MIDDLE_LAST, ("forward", "recompute", "backward"), CHECKPOINT_MODES
     ):
         recomputed = checkpoint == "always" or (checkpoint == "except_last" and m < M - 1)
         if where == "recompute" and not recomputed:

@@ -13,6 +13,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.api.devices import TooFewDevicesError
 from gpipe_fast.planning.predict import StageCosts, task_costs
 from gpipe_fast.runtime.stage import Stage
 from gpipe_fast.runtime.step import Step
@@ -54,7 +55,7 @@ def test_zbv_runs_cells_s_and_2d_minus_1_minus_s_on_one_device(make_pipe: Any) -
 def test_zbv_layouts_it_cannot_run_name_the_argument(make_pipe: Any) -> None:
     with pytest.raises(ValueError, match=r"balance: the zbv schedule runs 2 cells per device"):
         make_pipe(_model(3), [1] * 3, devices=["cpu"] * 2, schedule="zbv")
-    with pytest.raises(gf.api.gpipe.TooFewDevicesError, match="devices: 4 cells need 2 devices, got 1"):
+    with pytest.raises(TooFewDevicesError, match="devices: 4 cells need 2 devices, got 1"):
         make_pipe(_model(4), [1] * 4, devices=["cpu"], schedule="zbv")
     with pytest.raises(ValueError, match="partitions: schedule 'zbv' runs 2 stages per worker"):
         gf.plan(_model(3), torch.randn(4, 3, dtype=torch.float64), 3, 2, schedule="zbv",
@@ -66,7 +67,7 @@ def test_zbv_layouts_it_cannot_run_name_the_argument(make_pipe: Any) -> None:
 
 def test_interleaved_without_devices_names_them(make_pipe: Any) -> None:
     # It divided len(balance) by len(devices): ZeroDivisionError.
-    with pytest.raises(gf.api.gpipe.TooFewDevicesError, match="devices: 2 cells need at least one"):
+    with pytest.raises(TooFewDevicesError, match="devices: 2 cells need at least one"):
         make_pipe(_model(2), [1, 1], devices=[], schedule="interleaved")
 
 

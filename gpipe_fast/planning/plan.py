@@ -20,6 +20,7 @@ from gpipe_fast.arguments import (
     check_int,
     check_module,
 )
+from gpipe_fast.device.host import threads_per_cell
 from gpipe_fast.nn.microbatch import as_tensors, scatter
 from gpipe_fast.planning.balance import partition
 from gpipe_fast.planning.calibrate import calibrated
@@ -191,7 +192,7 @@ def plan(
     schedule = check_schedule(schedule)
     workers = _plan_workers(schedule, cells, devices)
     if balance is not None:
-        balance = check_balance(balance, cells, len(module))
+        balance = check_balance(balance, len(module), cells=cells)
     if calibrate is not None:
         if balance is None:
             raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
@@ -325,10 +326,8 @@ def _spread(costs: Sequence[StageCosts], balance: Sequence[int]) -> list[float]:
 def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:
     """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
     or OMP_NUM_THREADS set, which GPipe leaves alone)."""
-    from gpipe_fast.api.gpipe import _default_threads_per_cell
-
     target = resolve_device(device, module)
-    return _default_threads_per_cell([target] * cells)
+    return threads_per_cell([target] * cells)
 
 
 @contextmanager
