@@ -1,4 +1,21 @@
-"""gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime."""
+"""gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime.
+
+Layers, lowest first; a module imports only from its own layer or lower ones
+(tests/test_layers.py checks it):
+
+1. _C (the native core), arguments (argument checks shared by every layer)
+2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores)
+3. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
+4. transport/ (the Transport protocol, the in-process transport, the wire header)
+5. distributed/ (layouts, guard, process groups, reductions, dist transport, the
+   cross-process step driver)
+6. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
+7. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
+8. api/ (GPipe and the modules it is split into)
+9. planning/ (plans, predictions and calibration, which build GPipes)
+10. this package's own names, gpipe_fast.balance (torchgpipe's import path)
+11. demo/, then __main__
+"""
 
 # Loaded first, so that a missing build fails here with advice. Private: reach it as
 # gpipe_fast._C; it is not in __all__.

@@ -156,3 +156,13 @@ def check_devices(devices: object) -> list[torch.device]:
         if device.type == "cuda" and device.index is None:
             resolved[i] = torch.device("cuda", torch.cuda.current_device())
     return resolved
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+def check_loss_arguments(loss_fn: object, reduction: object) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

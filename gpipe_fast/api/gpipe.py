@@ -20,6 +20,7 @@ from gpipe_fast.arguments import (
     check_checkpoint,
     check_chunks,
     check_devices,
+    check_loss_arguments,
     check_timeout,
 )
 from gpipe_fast.device import host
@@ -37,11 +38,10 @@ from gpipe_fast.nn.materialize import (
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.planning.balance import balance_by_params
+from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.runtime.evaluate import eval_step, forward_across_processes
-from gpipe_fast.runtime.inputs import check_loss_arguments
 from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
-from gpipe_fast.runtime.step import LossFn
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import check_schedule, schedule_kind
 

@@ -1,24 +1,20 @@
-"""One mini-batch in flight: its micro-batches, per-step settings, and its stages' tasks."""
+"""One mini-batch in flight: its stages, per-step state, and the dispatch of its tasks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import torch
 from torch import Tensor
 
-from gpipe_fast.nn.cell import AutocastState
-from gpipe_fast.nn.microbatch import Value, as_tensors
-from gpipe_fast.nn.randomness import draw_step_seed
+from gpipe_fast.nn.cell import Cell
+from gpipe_fast.nn.microbatch import Value
+from gpipe_fast.runtime.context import LossFn, StageServices, StepContext
 from gpipe_fast.runtime.stage import Stage
 from gpipe_fast.schedule.registry import actions
-from gpipe_fast.transport.local import ACTIVATION, GRADIENT
+from gpipe_fast.transport.protocol import ACTIVATION, Transport
 
-if TYPE_CHECKING:
-    from gpipe_fast.runtime.pipeline import Pipeline
-
-LossFn = Callable[[Any, Any], Tensor]
+__all__ = ["LossFn", "Step", "StepOwner", "annotate"]
 
 
 def annotate(
@@ -51,62 +47,21 @@ def _method(stage: Stage | None, name: str, index: int) -> Callable[[int], None]
     return method if callable(method) else _missing_action(name, index)
 
 
-class StepContext:
-    """What a step's stages share: its settings, its transport, and what comes back out (the
-    losses, the input's gradient). It holds no stage, so that a step's objects form no
-    reference cycle and go as soon as the step's output is dropped."""
+class StepOwner(Protocol):
+    """What a step uses of the pipe that runs it (runtime.pipeline.Pipeline is one)."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        count: int,
-        input_needs_grad: Sequence[bool],
-        checkpointed: Sequence[Sequence[bool]],
-        track: bool,
-        split: bool,
-    ) -> None:
-        self.pipeline = pipeline
-        self.count = count
-        self.input_needs_grad = list(input_needs_grad)
-        self.checkpointed = checkpointed
-        self.track = track
-        self.split = split
-        self.seed = draw_step_seed() if pipeline.may_draw_random() else 0
-        self.autocast = AutocastState.capture()
-        self.transport = pipeline.make_transport()
-        # Whether the input of stage k can need a gradient: something before it learns.
-        upstream = any(input_needs_grad)
-        self.needs_input_grad = []
-        for learns in pipeline.learns:
-            self.needs_input_grad.append(upstream)
-            upstream = upstream or (track and learns)
-        self.input_grads: list[Any] = [None] * count
-        # Filled by train_step: the loss function, targets per micro-batch, their weights.
-        self.loss_fn: LossFn | None = None
-        self.targets: list[Any] = []
-        self.loss_weights: list[float] = []
-        self.losses: list[Tensor | None] = [None] * count
+    cells: list[Cell | None]
+    learns: list[bool]
+    services: StageServices
 
-    def input_grad_flags(self, stage: int, tensors: Sequence[Tensor]) -> list[bool]:
-        if stage == 0:
-            return self.input_needs_grad
-        needs = self.needs_input_grad[stage]
-        return [needs and t.is_floating_point() for t in tensors]
+    @property
+    def recording(self) -> bool: ...
 
-    def target(self, stage: int, m: int) -> Any:
-        """Micro-batch m's target on `stage`'s device."""
-        device = self.pipeline.devices[stage]
-        target = self.targets[m]
-        if isinstance(target, Tensor) and target.is_cpu and device.type == "cpu":
-            return target  # the common CPU case, on every loss task
-        with self.pipeline.streams.on(stage):
-            if isinstance(target, Tensor):
-                return target.to(device, non_blocking=True)
-            if isinstance(target, tuple):
-                return tuple(
-                    t.to(device, non_blocking=True) if isinstance(t, Tensor) else t for t in target
-                )
-            return target
+    def may_draw_random(self) -> bool: ...
+
+    def make_transport(self) -> Transport: ...
+
+    def task_failed(self, error: BaseException) -> None: ...
 
 
 class Step:
@@ -116,7 +71,7 @@ class Step:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: StepOwner,
         microbatches: Sequence[Value],
         input_needs_grad: Sequence[bool],
         checkpointed: Sequence[Sequence[bool]],
@@ -127,14 +82,15 @@ class Step:
     ) -> None:
         """`microbatches`: the input's, when this process runs cell 0 (else empty, and
         `count` says how many there are)."""
-        self.pipeline = pipeline
+        self.report = pipeline.task_failed
         self.count = len(microbatches) if count is None else count
         self.first_input = microbatches[0] if microbatches else None
         self.track = track
         self.checkpointed = checkpointed
         self.context = StepContext(
-            pipeline, self.count, input_needs_grad, checkpointed, track, split
-        )
+            pipeline.services, pipeline.make_transport(), pipeline.learns, self.count,
+            input_needs_grad, checkpointed, track, split, random=pipeline.may_draw_random(),
+        )  # fmt: skip
         cells = pipeline.cells
         # One Stage per cell of this process (None: a cell of another process).
         self.stages = [
@@ -179,24 +135,8 @@ class Step:
             annotate(error, stage, microbatch, self.action_names[action], copying=copying)
             if owner is not None:
                 owner.copying = False
-            self.pipeline.task_failed(error)
+            self.report(error)
             raise
-
-    # -- phases: on the caller's thread ----------------------------------------------------
-
-    def forward(self) -> list[Value]:
-        """The fill-drain forward of pipe(x); the last stage's outputs."""
-        pipeline = self.pipeline
-        schedule = pipeline.schedules.forward(self.count)
-        # Every micro-batch is a slice of the same input tensors: one is enough for devices.
-        pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
-        pipeline.execute(schedule, self, "forward")
-        last = self.last_stage()
-        outputs = list(last.outputs)
-        if not self.track:
-            last.outputs = [None] * self.count
-        pipeline.streams.join_caller(pipeline.devices[-1])
-        return outputs  # type: ignore[return-value]
 
     def check_backward_once(self) -> None:
         if self.backward_done:
@@ -204,42 +144,3 @@ class Step:
                 "gpipe_fast: backward through the same pipe output twice is not supported "
                 "(its activations are freed as the backward goes); run the pipe again instead"
             )
-
-    def backward(self, grads: list[tuple[Tensor | None, ...]]) -> list[Any]:
-        """The fill-drain backward of loss.backward(); the input's gradient per micro-batch."""
-        self.check_backward_once()
-        self.backward_done = True
-        pipeline = self.pipeline
-        last = len(self.stages) - 1
-        for m, grad in enumerate(grads):
-            self.context.transport.deliver(GRADIENT, last, m, grad)
-        flags = tuple(self.checkpointed[0])  # the phase path checkpoints alike on every stage
-        schedule = pipeline.schedules.backward(flags)
-        pipeline.streams.cells_wait_caller()
-        pipeline.execute(schedule, self, "backward")
-        pipeline.streams.join_caller(pipeline.devices[0])
-        pipeline.after_backward()
-        return self.context.input_grads
-
-    def train(self, schedule: Any) -> Tensor:
-        """Every task of a training step (forward, loss, backward), or of an evaluation's
-        forward-only run, in one run of `schedule`; the step's loss (None where this process
-        computed none)."""
-        pipeline = self.pipeline
-        if self.first_input is not None:
-            pipeline.streams.cell_waits_caller(0, as_tensors(self.first_input, "input"))
-        expect = getattr(self.context.transport, "expect", None)
-        if expect is not None:  # across processes: every receive's header, posted ahead
-            flows = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
-            expect([
-                (flows[self.action_names[t.action]], t.stage, t.microbatch)
-                for t in schedule.tasks
-                if self.action_names[t.action] in flows
-            ])  # fmt: skip
-        pipeline.execute(schedule, self, "step")
-        for device in {pipeline.devices[k] for k, stage in enumerate(self.stages) if stage}:
-            pipeline.streams.join_caller(device)
-        losses = [loss for loss in self.context.losses if loss is not None]
-        if not losses:
-            return None  # type: ignore[return-value]  # the last cell runs in another process
-        return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
