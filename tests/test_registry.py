@@ -14,6 +14,7 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.api.devices import TooFewDevicesError
+from gpipe_fast.api.gpipe import pipeline_of
 from gpipe_fast.planning.predict import StageCosts, task_costs
 from gpipe_fast.runtime.stage import Stage
 from gpipe_fast.runtime.step import Step
@@ -45,10 +46,10 @@ def test_schedules_and_their_facts_come_from_the_native_registry() -> None:
 
 def test_zbv_runs_cells_s_and_2d_minus_1_minus_s_on_one_device(make_pipe: Any) -> None:
     pipe = make_pipe(_model(6), [1] * 6, devices=["cpu"] * 3, schedule="zbv")
-    assert pipe._pipeline.stage_workers == [0, 1, 2, 2, 1, 0]
+    assert pipeline_of(pipe).stage_workers == [0, 1, 2, 2, 1, 0]
     # Devices beyond the cells' need are left out, as for one cell per device.
     more = make_pipe(_model(4), [1] * 4, devices=["cpu"] * 5, schedule="zbv")
-    assert more._pipeline.stage_workers == [0, 1, 1, 0]
+    assert pipeline_of(more).stage_workers == [0, 1, 1, 0]
     assert len(more.devices) == 4
 
 
@@ -74,7 +75,7 @@ def test_interleaved_without_devices_names_them(make_pipe: Any) -> None:
 def test_zbv_by_default_runs_two_cells_per_device(make_pipe: Any) -> None:
     pipe = make_pipe(_model(8), devices=["cpu"] * 2, schedule="zbv")
     assert len(pipe.balance) == 4
-    assert pipe._pipeline.stage_workers == [0, 1, 1, 0]
+    assert pipeline_of(pipe).stage_workers == [0, 1, 1, 0]
     plan = gf.plan(_model(8), torch.randn(4, 3, dtype=torch.float64), 4, 2, schedule="zbv",
                    cost="params")  # fmt: skip
     # Equal cells (by parameters), no overheads: the kind's ideal bubble.
@@ -201,14 +202,14 @@ def test_a_step_dispatches_a_registered_action_to_the_stage_method_of_its_name(
     name = next(_names)
     action = schedules.register_action(name, [Need([("forward", 0)])])
     pipe = make_pipe(_model(2), [1, 1], devices=["cpu"] * 2)
-    step = Step(pipe._pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
                 False)  # fmt: skip
     with pytest.raises(NotImplementedError, match=f"stage 1 has no method for action '{name}'"):
         step.handlers[action][1](0)
     seen: list[tuple[int, int]] = []
     monkeypatch.setattr(Stage, name, lambda self, m: seen.append((self.index, m)),
                         raising=False)  # fmt: skip
-    step = Step(pipe._pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
                 False)  # fmt: skip
     step.run_task(action, 1, 0)
     assert seen == [(1, 0)]

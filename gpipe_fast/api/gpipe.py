@@ -542,3 +542,9 @@ def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Te
     if loss.requires_grad:
         loss.backward()
     return loss.detach()
+
+
+def pipeline_of(pipe: GPipe) -> Pipeline | None:
+    """The runtime behind `pipe` (None for an empty pipe): for tests and benchmarks that
+    look at the executor, streams or schedules themselves."""
+    return pipe._pipeline
