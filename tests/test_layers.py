@@ -75,6 +75,8 @@ def test_every_module_opens_with_a_one_line_docstring() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         assert docstring, f"{path} has no docstring"
+        lines = docstring.splitlines()
+        assert len(lines) == 1 or not lines[1].strip(), f"{path}: its summary is not one line"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""The demo job: trains a deep MLP through GPipe and the plain model side by side, and says
-where the pipelined step's time went."""
+"""The demo job: a deep MLP trained through GPipe and as the plain model, side by side.
+
+It says where the pipelined step's time went."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The demo across processes: `python -m gpipe_fast demo --processes P` trains the demo model with
-one cell per process, started here and joined by gloo over 127.0.0.1."""
+"""The demo across processes: `python -m gpipe_fast demo --processes P`.
+
+It trains the demo model with one cell per process, started here and joined by gloo over
+127.0.0.1."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""A step across processes around this rank's run: the ranks agree on the batch, a failure
-reaches every rank, sends are awaited, tied and replicated gradients summed, the loss shared."""
+"""The cross-process step driver: what every rank does around its own run of a step.
+
+The ranks agree on the batch, a failure reaches every rank, sends are awaited, tied and
+replicated gradients are summed, and every rank gets the loss."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Stage costs and the runtime's hand-off cost per task, read from recorded steps' timelines,
-so a plan can predict other schedules from the step as it really ran."""
+"""Stage costs and the runtime's hand-off cost per task, read from recorded steps' timelines.
+
+A plan can then predict other schedules from the step as it really ran."""
 
 from __future__ import annotations
 

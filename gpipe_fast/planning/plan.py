@@ -1,5 +1,4 @@
-"""A balance with its predicted step: per-cell rows, and the simulated step time and bubble of
-the chosen schedule."""
+"""A balance with its predicted step: per-cell rows, the schedule's step time and bubble."""
 
 from __future__ import annotations
 

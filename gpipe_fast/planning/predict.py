@@ -1,5 +1,7 @@
-"""Predicts a training step's time and bubble per schedule: the native simulator over
-per-micro-batch task costs, plus the runtime's own cost per task, measured."""
+"""Predicts a training step's time and bubble per schedule.
+
+The native simulator runs over per-micro-batch task costs, plus the runtime's own cost per
+task, measured."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The phase drivers of a pipe's steps: each picks its schedule, joins the caller's streams
-and runs the schedule on the native executor, whose workers call Step.run_task."""
+"""The phase drivers of a pipe's steps: schedule, streams, and the native executor's run.
+
+Each phase picks its schedule, joins the caller's streams and runs the schedule on the
+executor, whose workers call Step.run_task."""
 
 from __future__ import annotations
 
