@@ -24,7 +24,7 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.planning.predict import StageCosts, predict
-from gpipe_fast.schedules import placement
+from gpipe_fast.schedule.registry import placement
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reporting import markdown_table

@@ -145,7 +145,7 @@ def _floor(rank: int, width: int, chunks: int, x: Any, y: Any) -> Any:
 
 def _breakdown(pipe: Any, step: Any) -> dict[str, float]:
     """One recorded step: this rank's compute, communication and idle, in ms."""
-    from gpipe_fast.schedules import communication_actions
+    from gpipe_fast.schedule.registry import communication_actions
 
     pipe.record_timeline()
     step()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
+from gpipe_fast.api.gpipe import pipeline_of
 
 
 def _sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ def contenders(
             schedule=schedule,
         )
         pipes.append(pipe)
-        tasks = len(pipe._pipeline.schedules.train_step(chunks, "never")[0].tasks)
+        tasks = len(pipeline_of(pipe).schedules.train_step(chunks, "never")[0].tasks)
         runs[f"train_step {schedule}"] = (lambda p=pipe: p.train_step(x, x, _sum), tasks)
         if schedule == "gpipe":
             runs["pipe(x) + backward"] = (lambda p=pipe: p(x).sum().backward(), 2 * cells * chunks)

@@ -1,4 +1,21 @@
-"""gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime."""
+"""gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime.
+
+Layers, lowest first; a module imports only from its own layer or lower ones
+(tests/test_layers.py checks it):
+
+1. _C (the native core), arguments (argument checks shared by every layer)
+2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores)
+3. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
+4. transport/ (the Transport protocol, the in-process transport, the wire header)
+5. distributed/ (layouts, guard, process groups, reductions, dist transport, the
+   cross-process step driver)
+6. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
+7. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
+8. api/ (GPipe and the modules it is split into)
+9. planning/ (plans, predictions and calibration, which build GPipes)
+10. this package's own names, gpipe_fast.balance (torchgpipe's import path)
+11. demo/, then __main__
+"""
 
 # Loaded first, so that a missing build fails here with advice. Private: reach it as
 # gpipe_fast._C; it is not in __all__.
@@ -11,10 +28,9 @@ except ImportError as error:  # no silent fallback: the engine is native
         f"the loader said: {error}"
     ) from error
 
-from gpipe_fast.gpipe import GPipe
-from gpipe_fast.grad_scaler import GradScaler
-from gpipe_fast.guard import PeerFailure
-from gpipe_fast.memory import CellMemoryStats
+from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.api.grad_scaler import GradScaler
+from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.planning.balance import (
     balance_by_costs,
@@ -24,7 +40,8 @@ from gpipe_fast.planning.balance import (
     partition,
 )
 from gpipe_fast.planning.plan import CellPlan, Plan, plan
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.memory import CellMemoryStats
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 __all__ = [
     "CellMemoryStats",

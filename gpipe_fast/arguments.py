@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 
 
@@ -70,12 +72,97 @@ def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
     return str(value)
 
 
-def check_balance(balance: object, cells: int, layers: int) -> list[int]:
+def check_balance(
+    balance: object, layers: int, *, cells: int | None = None, advice: str = ""
+) -> list[int]:
+    """`balance` as a list of cell sizes (each >= 1) summing to `layers`, of `cells` cells
+    when given; `advice` ends the errors about a balance that does not fit the module."""
+    more = f"; {advice}" if advice else ""
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
-    sizes = [check_int(size, f"balance[{i}]", 1) for i, size in enumerate(balance)]
-    if len(sizes) != cells:
+    sizes: list[int] = []
+    for i, size in enumerate(balance):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"balance[{i}] must be an int, got {type(size).__name__}")
+        if size < 1:
+            raise ValueError(f"balance[{i}] = {size}: every cell needs at least one layer{more}")
+        sizes.append(int(size))
+    if cells is not None and len(sizes) != cells:
         raise ValueError(f"balance has {len(sizes)} cells but partitions is {cells}")
+    if not sizes and layers:
+        raise ValueError(f"balance must name at least one cell{more}")
     if sum(sizes) != layers:
-        raise ValueError(f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers")
+        raise ValueError(
+            f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers{more}"
+        )
     return sizes
+
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def whole_number(value: object) -> int | None:
+    """`value` as an int when it is one or converts to one without loss (42.0, a numpy int,
+    a one-element integer tensor); None for anything else (2.5, "8", True)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(float(value))
+    return None
+
+
+def check_chunks(chunks: object) -> int:
+    count = whole_number(chunks)
+    if count is None:
+        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} {chunks!r}")
+    if count < 1:
+        raise ValueError(f"chunks must be >= 1, got {count}")
+    return count
+
+
+def check_checkpoint(checkpoint: object) -> str:
+    """The mode as a plain str: from a str (or a subclass, by its contents) or from an object
+    whose str() is a mode (torchgpipe took str(checkpoint))."""
+    mode = str.__str__(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
+    if isinstance(checkpoint, bool) or mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    return mode
+
+
+def check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def check_devices(devices: object) -> list[torch.device]:
+    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of devices, got {type(devices).__name__}")
+    resolved = []
+    for i, device in enumerate(devices):
+        try:
+            resolved.append(torch.device(device))
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"devices[{i}] is not a device: {device!r}") from error
+    for i, device in enumerate(resolved):
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"devices[{i}]: only cpu and cuda devices are supported, got {device}")
+        if device.type == "cuda" and device.index is None:
+            resolved[i] = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+def check_loss_arguments(loss_fn: object, reduction: object) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

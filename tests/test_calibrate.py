@@ -22,7 +22,7 @@ from gpipe_fast.planning.calibrate import (
     measured_stage_costs,
 )
 from gpipe_fast.planning.predict import StageCosts, task_costs
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 
 def _span(kind: str, cell: int, microbatch: int, start: float, duration: float) -> TaskSpan:

@@ -2,12 +2,13 @@
 no host synchronisation in a step, and stream ordering that a device-side sleep (calibrated
 per GPU, with a control showing it exposes a missing wait) would expose. Skipped without a
 GPU (written before one was lent: first run pending)."""
-
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+
+from gpipe_fast.api.gpipe import pipeline_of
 
 from helpers import assert_same_run, device_sleep_cycles, mlp, pipe_run, reference_run
 
@@ -124,12 +125,12 @@ def test_each_cell_has_its_own_stream(make_pipe) -> None:
         [1, 1, 1],
         devices=["cuda:0"] * 3,
     )
-    streams = pipe._pipeline.streams.streams
+    streams = pipeline_of(pipe).streams.streams
     assert all(s is not None for s in streams)
     assert len({s.cuda_stream for s in streams}) == 3
-    assert pipe._pipeline.executor.backend == "cuda"
+    assert pipeline_of(pipe).executor.backend == "cuda"
     pipe(torch.randn(4, 2, device="cuda"))
-    assert pipe._pipeline.executor.live_events == 0
+    assert pipeline_of(pipe).executor.live_events == 0
 
 
 def test_cell_zero_waits_for_the_callers_input(make_pipe) -> None:
@@ -150,7 +151,7 @@ def test_cell_zero_waits_for_the_callers_input(make_pipe) -> None:
 def test_boundary_copies_use_the_copy_streams_and_give_their_events_back(make_pipe) -> None:
     module = mlp(3).cuda()
     pipe = make_pipe(module, [2, 2, 2], devices=["cuda:0"] * 3, chunks=4, checkpoint="always")
-    streams = pipe._pipeline.streams
+    streams = pipeline_of(pipe).streams
     assert len({s.cuda_stream for s in streams.streams + streams.copy_streams}) == 6
     x = torch.randn(8, 6, dtype=torch.float64, device="cuda", requires_grad=True)
     for _ in range(3):

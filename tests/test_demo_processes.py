@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpipe_fast.demo.processes import communication_ms, merged_timeline
-from gpipe_fast.timeline import TaskSpan
+from gpipe_fast.runtime.timeline import TaskSpan
 
 
 def test_demo_across_two_processes(tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.api.gpipe import pipeline_of
+from gpipe_fast.arguments import CHECKPOINT_MODES
 
 from helpers import (
     RaiseInBackward,
@@ -101,7 +103,7 @@ def _check_error(error: BaseException, cell: int, m: int, where: str, planted: s
 
 
 def _check_recovers(pipe: gf.GPipe, module: nn.Sequential, x: torch.Tensor, workers: int) -> None:
-    assert pipe._pipeline.executor.live_events == 0
+    assert pipeline_of(pipe).executor.live_events == 0
     # The caller zeroes the gradients (pipe_run does), and the next step is exact.
     with no_hang():
         assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
@@ -111,7 +113,7 @@ def _check_recovers(pipe: gf.GPipe, module: nn.Sequential, x: torch.Tensor, work
 def _cases() -> list[tuple[int, int, str, str]]:
     cases = []
     for cell, m, where, checkpoint in itertools.product(
-        range(K), FIRST_MIDDLE_LAST, ("forward", "recompute", "backward"), gf.gpipe.CHECKPOINT_MODES
+        range(K), FIRST_MIDDLE_LAST, ("forward", "recompute", "backward"), CHECKPOINT_MODES
     ):
         recomputed = checkpoint == "always" or (checkpoint == "except_last" and m < M - 1)
         if where == "recompute" and not recomputed:
@@ -164,7 +166,7 @@ def test_fault_in_a_boundary_copy_is_named_as_such(
     x = _tagged_input()
     pipe_run(pipe, module, x)
     workers = native_threads("gpipe-cell")
-    streams = pipe._pipeline.streams
+    streams = pipeline_of(pipe).streams
     real_receive = streams.receive
     order = iter(_schedule_order(phase, cell, "except_last"))
 
@@ -417,7 +419,7 @@ def test_fault_in_a_train_step_action_reaches_caller_and_pipe_recovers(
     faults.target = None
     if hook is not None:
         hook.remove()
-    assert pipe._pipeline.executor.live_events == 0
+    assert pipeline_of(pipe).executor.live_events == 0
     module.zero_grad(set_to_none=True)
     with no_hang():
         pipe.train_step(x, x, loss_fn)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast import gpipe as gpipe_module
+from gpipe_fast.api.devices import TooFewDevicesError
+from gpipe_fast.device import host
 
 from helpers import assert_same_run, mlp, native_threads, pipe_run, reference_run
 
@@ -161,7 +162,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only default
 @no_cuda
 @pytest.mark.parametrize(("cores", "threads"), [(2, 1), (12, 4)])
 def test_default_devices_on_cpu_are_one_per_cell(make_pipe, monkeypatch, cores, threads) -> None:
-    monkeypatch.setattr(gpipe_module, "_cpu_cores", lambda: cores)
+    monkeypatch.setattr(host, "cpu_cores", lambda: cores)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     module = mlp(3)
     pipe = make_pipe(module, [2, 2, 2], chunks=3)  # more cells than cores is fine
@@ -175,7 +176,7 @@ def test_default_devices_on_cpu_are_one_per_cell(make_pipe, monkeypatch, cores, 
 @no_cuda
 @pytest.mark.parametrize(("cores", "cells"), [(1, 1), (2, 2), (4, 4), (64, 6)])
 def test_default_balance_on_cpu_is_one_cell_per_core(make_pipe, monkeypatch, cores, cells):
-    monkeypatch.setattr(gpipe_module, "_cpu_cores", lambda: cores)
+    monkeypatch.setattr(host, "cpu_cores", lambda: cores)
     module = mlp(3)  # 6 layers: never more cells than layers
     pipe = make_pipe(module)
     assert pipe.balance == gf.balance_by_params(cells, module)
@@ -352,7 +353,7 @@ def test_too_few_devices_is_both_value_and_index_error() -> None:
     for error in (ValueError, IndexError):
         with pytest.raises(error, match="devices: 3 cells need 3 devices, got 2"):
             gf.GPipe(mlp(3), [2, 2, 2], devices=["cpu", "cpu"])
-    with pytest.raises(gf.gpipe.TooFewDevicesError, match="devices"):
+    with pytest.raises(TooFewDevicesError, match="devices"):
         gf.GPipe(mlp(1), devices=[])
 
 

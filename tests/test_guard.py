@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from gpipe_fast.guard import Guard, PeerFailure, _first_line
+from gpipe_fast.distributed.guard import Guard, PeerFailure, _first_line
 
 
 def _store() -> Any:

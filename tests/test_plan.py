@@ -8,6 +8,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.device.host import threads_per_cell
 from gpipe_fast.planning.predict import StageCosts, predict
 
 from helpers import Sleepy, funnel
@@ -72,7 +73,7 @@ def test_plan_by_time_profiles_as_the_cells_run() -> None:
     module = nn.Sequential(nn.Linear(8, 8), _Witness(), nn.Linear(8, 8), nn.Linear(8, 8))
     before = torch.get_num_threads()
     result = gf.plan(module, torch.randn(13, 8), 2, 4, warmup=1, repeats=2)
-    cell_threads = gf.gpipe._default_threads_per_cell([torch.device("cpu")] * 2)
+    cell_threads = threads_per_cell([torch.device("cpu")] * 2)
     assert result.threads == cell_threads
     # The timed passes run on a micro-batch (a pass on the whole sample measures output sizes).
     timed = [seen for seen in _SEEN if seen[0] != 13]

@@ -10,6 +10,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.api.gpipe import pipeline_of
 
 from helpers import assert_same_run, mlp, pipe_run, reference_run
 
@@ -60,7 +61,7 @@ def test_each_cell_has_its_own_pool_and_close_gives_the_memory_back(make_pipe) -
         module, [2, 2], devices=["cuda:0"] * 2, chunks=4, checkpoint="always", recompute_pool=True
     )
     pipe(torch.randn(64, 256, device="cuda")).sum().backward()
-    memory = pipe._pipeline.recompute_memory
+    memory = pipeline_of(pipe).recompute_memory
     ids = list(memory.ids)
     registry = _C.torch_allocator_pools()
     assert len(set(ids)) == 2 and 0 not in ids  # not the default pool

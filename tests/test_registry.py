@@ -12,12 +12,15 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast import _C, schedules
+from gpipe_fast import _C
+from gpipe_fast.api.devices import TooFewDevicesError
+from gpipe_fast.api.gpipe import pipeline_of
 from gpipe_fast.planning.predict import StageCosts, task_costs
-from gpipe_fast.schedules import Need
-from gpipe_fast.stage import Stage
-from gpipe_fast.step import Step
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.stage import Stage
+from gpipe_fast.runtime.step import Step
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
+from gpipe_fast.schedule import registry as schedules
+from gpipe_fast.schedule.registry import Need
 
 _names = (f"registry_test_{n}" for n in itertools.count())
 
@@ -43,17 +46,17 @@ def test_schedules_and_their_facts_come_from_the_native_registry() -> None:
 
 def test_zbv_runs_cells_s_and_2d_minus_1_minus_s_on_one_device(make_pipe: Any) -> None:
     pipe = make_pipe(_model(6), [1] * 6, devices=["cpu"] * 3, schedule="zbv")
-    assert pipe._pipeline.stage_workers == [0, 1, 2, 2, 1, 0]
+    assert pipeline_of(pipe).stage_workers == [0, 1, 2, 2, 1, 0]
     # Devices beyond the cells' need are left out, as for one cell per device.
     more = make_pipe(_model(4), [1] * 4, devices=["cpu"] * 5, schedule="zbv")
-    assert more._pipeline.stage_workers == [0, 1, 1, 0]
+    assert pipeline_of(more).stage_workers == [0, 1, 1, 0]
     assert len(more.devices) == 4
 
 
 def test_zbv_layouts_it_cannot_run_name_the_argument(make_pipe: Any) -> None:
     with pytest.raises(ValueError, match=r"balance: the zbv schedule runs 2 cells per device"):
         make_pipe(_model(3), [1] * 3, devices=["cpu"] * 2, schedule="zbv")
-    with pytest.raises(gf.gpipe.TooFewDevicesError, match="devices: 4 cells need 2 devices, got 1"):
+    with pytest.raises(TooFewDevicesError, match="devices: 4 cells need 2 devices, got 1"):
         make_pipe(_model(4), [1] * 4, devices=["cpu"], schedule="zbv")
     with pytest.raises(ValueError, match="partitions: schedule 'zbv' runs 2 stages per worker"):
         gf.plan(_model(3), torch.randn(4, 3, dtype=torch.float64), 3, 2, schedule="zbv",
@@ -65,14 +68,14 @@ def test_zbv_layouts_it_cannot_run_name_the_argument(make_pipe: Any) -> None:
 
 def test_interleaved_without_devices_names_them(make_pipe: Any) -> None:
     # It divided len(balance) by len(devices): ZeroDivisionError.
-    with pytest.raises(gf.gpipe.TooFewDevicesError, match="devices: 2 cells need at least one"):
+    with pytest.raises(TooFewDevicesError, match="devices: 2 cells need at least one"):
         make_pipe(_model(2), [1, 1], devices=[], schedule="interleaved")
 
 
 def test_zbv_by_default_runs_two_cells_per_device(make_pipe: Any) -> None:
     pipe = make_pipe(_model(8), devices=["cpu"] * 2, schedule="zbv")
     assert len(pipe.balance) == 4
-    assert pipe._pipeline.stage_workers == [0, 1, 1, 0]
+    assert pipeline_of(pipe).stage_workers == [0, 1, 1, 0]
     plan = gf.plan(_model(8), torch.randn(4, 3, dtype=torch.float64), 4, 2, schedule="zbv",
                    cost="params")  # fmt: skip
     # Equal cells (by parameters), no overheads: the kind's ideal bubble.
@@ -199,14 +202,14 @@ def test_a_step_dispatches_a_registered_action_to_the_stage_method_of_its_name(
     name = next(_names)
     action = schedules.register_action(name, [Need([("forward", 0)])])
     pipe = make_pipe(_model(2), [1, 1], devices=["cpu"] * 2)
-    step = Step(pipe._pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
                 False)  # fmt: skip
     with pytest.raises(NotImplementedError, match=f"stage 1 has no method for action '{name}'"):
         step.handlers[action][1](0)
     seen: list[tuple[int, int]] = []
     monkeypatch.setattr(Stage, name, lambda self, m: seen.append((self.index, m)),
                         raising=False)  # fmt: skip
-    step = Step(pipe._pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
                 False)  # fmt: skip
     step.run_task(action, 1, 0)
     assert seen == [(1, 0)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from gpipe_fast.api.gpipe import pipeline_of
 from gpipe_fast.nn import randomness
 
 from helpers import native_threads, no_hang
@@ -73,7 +74,7 @@ def _soak(
     # Recomputes all micro-batches but the last.
     pipe = make_pipe(model, [3, 3], devices=[device] * 2, chunks=4, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    executor = pipe._pipeline.executor
+    executor = pipeline_of(pipe).executor
     x = torch.randn(16, 8, device=device)
 
     def step(i: int) -> None:
@@ -122,7 +123,7 @@ def test_thousand_steps_leave_threads_events_objects_and_memory_flat(make_pipe) 
         # Threads (the watchdog's too), the host sync's live events, and the cache of random
         # ops' generator overloads (grows only with new kinds of op, never per step).
         cached_ops = randomness._with_generator.cache_info().currsize
-        return native_threads(), pipe._pipeline.executor.live_events, cached_ops
+        return native_threads(), pipeline_of(pipe).executor.live_events, cached_ops
 
     _soak(make_pipe, "cpu", snapshot)
 
@@ -134,7 +135,7 @@ def test_thousand_steps_on_cuda_leave_events_pools_and_device_memory_flat(
 ) -> None:
     def snapshot(pipe: Any) -> tuple[object, ...]:
         torch.cuda.synchronize()
-        executor, copier = pipe._pipeline.executor, pipe._pipeline.streams.copier
+        executor, copier = pipeline_of(pipe).executor, pipeline_of(pipe).streams.copier
         return (
             native_threads(),
             executor.live_events,
@@ -152,7 +153,7 @@ def test_thousand_steps_on_cuda_leave_events_pools_and_device_memory_flat(
 def test_thousand_forward_only_runs_under_no_grad(make_pipe) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
     pipe = make_pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4)
-    executor = pipe._pipeline.executor
+    executor = pipeline_of(pipe).executor
     x = torch.randn(16, 8)
     with no_hang(300), torch.no_grad():
         for _ in range(100):

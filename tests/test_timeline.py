@@ -16,7 +16,8 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.api.gpipe import pipeline_of
+from gpipe_fast.runtime.timeline import Timeline
 
 from helpers import Sleepy, device_sleep_cycles
 
@@ -215,7 +216,7 @@ def test_recording_off_by_default_and_timeline_raises(make_pipe: Any) -> None:
     pipe = make_pipe(_mlp(2), [1, 1], devices=["cpu", "cpu"], chunks=2)
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     pipe(x).sum().backward()
-    assert pipe._pipeline.executor.last_spans() == []  # nothing timed when off
+    assert pipeline_of(pipe).executor.last_spans() == []  # nothing timed when off
     with pytest.raises(RuntimeError, match="record_timeline"):
         pipe.timeline()
     pipe.record_timeline()
@@ -227,7 +228,7 @@ def test_recording_off_by_default_and_timeline_raises(make_pipe: Any) -> None:
     with pytest.raises(RuntimeError, match="off"):
         pipe.timeline()
     pipe(x).sum().backward()
-    assert pipe._pipeline.executor.last_spans() == []
+    assert pipeline_of(pipe).executor.last_spans() == []
 
 
 def test_chrome_trace_has_one_event_per_span(make_pipe: Any, tmp_path: Path) -> None:
@@ -403,7 +404,7 @@ def test_recording_off_creates_no_timing_events(make_pipe: Any) -> None:
     pipe = make_pipe(_mlp(2).cuda(), [1, 1], devices=["cuda:0", "cuda:0"], chunks=2)
     x = torch.randn(4, 6, dtype=torch.float64, device="cuda", requires_grad=True)
     pipe(x).sum().backward()
-    executor = pipe._pipeline.executor
+    executor = pipeline_of(pipe).executor
     assert executor.pooled_timing_events == 0 and executor.last_spans() == []
     pipe.record_timeline()
     pipe(x).sum().backward()
@@ -422,7 +423,7 @@ def test_train_step_is_recorded_for_every_schedule(
     pipe.record_timeline()
     pipe.train_step(x, x, torch.nn.functional.mse_loss)
     timeline = pipe.timeline()
-    schedule_run, _ = pipe._pipeline.recorded["step"]
+    schedule_run, _ = pipeline_of(pipe).recorded["step"]
     assert (timeline.cells, timeline.workers, timeline.schedule) == (4, workers, schedule)
     assert {s.phase for s in timeline.spans} == {"step"}
     assert sorted(s.task for s in timeline.spans) == list(range(len(schedule_run.tasks)))

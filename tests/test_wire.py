@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpipe_fast import wire
+from gpipe_fast.transport import wire
 
 CPU = torch.device("cpu")
 

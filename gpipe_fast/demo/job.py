@@ -1,5 +1,6 @@
-"""The demo job: trains a deep MLP through GPipe and the plain model side by side, and says
-where the pipelined step's time went."""
+"""The demo job: a deep MLP trained through GPipe and as the plain model, side by side.
+
+It says where the pipelined step's time went."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.demo import report as report
-from gpipe_fast.schedules import SCHEDULES, schedule_kind
+from gpipe_fast.device.host import cpu_cores
+from gpipe_fast.schedule.registry import SCHEDULES, schedule_kind
 
 _INPUTS = 32  # features of the synthetic data
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
@@ -103,10 +105,6 @@ def _model(width: int, depth: int, inputs: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _devices(cells: int | None) -> list[torch.device]:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -138,7 +136,7 @@ def _rival(devices: Sequence[torch.device]) -> str:
     if devices[0].type == "cuda":
         return f"one GPU, {devices[0]}"
     threads = _plural(torch.get_num_threads(), "intra-op thread")
-    return f"{_plural(_cpu_cores(), 'core')} with torch's default of {threads}"
+    return f"{_plural(cpu_cores(), 'core')} with torch's default of {threads}"
 
 
 # -- training ---------------------------------------------------------------------------------
@@ -366,7 +364,7 @@ def run_demo(argv: list[str]) -> int:
         checkpoint=args.checkpoint,
     )
     try:
-        _print_load(_cpu_cores())
+        _print_load(cpu_cores())
         rival = _rival(devices)
         _print_setup(pipe, model, args, rival)
         trainees = [

@@ -1,5 +1,7 @@
-"""The demo across processes: `python -m gpipe_fast demo --processes P` trains the demo model with
-one cell per process, started here and joined by gloo over 127.0.0.1."""
+"""The demo across processes: `python -m gpipe_fast demo --processes P`.
+
+It trains the demo model with one cell per process, started here and joined by gloo over
+127.0.0.1."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.demo import report
-from gpipe_fast.timeline import TaskSpan, Timeline
+from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 # Each process's workers: its compute worker (which also posts the sends) and the workers
 # receiving activations and gradients.

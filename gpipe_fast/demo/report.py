@@ -16,8 +16,8 @@ from torch import Tensor, nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.schedules import actions
-from gpipe_fast.timeline import Kind
+from gpipe_fast.runtime.timeline import Kind
+from gpipe_fast.schedule.registry import actions
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""Splits a mini-batch into micro-batches along dim 0 and joins the results back."""
+"""Splits a mini-batch (and its target) into micro-batches along dim 0, joins results back."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -100,3 +102,20 @@ def _describe(value: object) -> str:
     if isinstance(value, tuple):
         return "tuple(" + ", ".join(type(v).__name__ for v in value) + ")"
     return type(value).__name__
+
+
+def loss_weights(batch: int, total: int, chunks: int, reduction: str) -> list[float]:
+    """Each micro-batch's loss weight: its share of the `total` batch (over every replica)
+    for a mean, 1 for a sum."""
+    sizes = split_sizes(batch, chunks)
+    return [n / total for n in sizes] if reduction == "mean" else [1.0] * len(sizes)
+
+
+def scatter_target(target: Any, batch: int, chunks: int) -> list[Any]:
+    """The target split like the input (same micro-batch sizes); ValueError naming `target`
+    when its batch differs."""
+    tensors = as_tensors(target, "target")
+    size = batch_size(tensors, "target")
+    if size != batch:
+        raise ValueError(f"target has batch size {size} (dim 0) but input has {batch}")
+    return scatter(target, chunks)

@@ -1,5 +1,6 @@
-"""Stage costs and the runtime's hand-off cost per task, read from recorded steps' timelines,
-so a plan can predict other schedules from the step as it really ran."""
+"""Stage costs and the runtime's hand-off cost per task, read from recorded steps' timelines.
+
+A plan can then predict other schedules from the step as it really ran."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 
 from gpipe_fast import _C
 from gpipe_fast.planning.predict import StageCosts, task_costs
-from gpipe_fast.schedules import communication_actions
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.timeline import Timeline
+from gpipe_fast.schedule.registry import communication_actions
 
 # Bisection steps for the hand-off cost: 40 halvings of a bound that is at most the step.
 _SEARCH_STEPS = 40

@@ -1,5 +1,4 @@
-"""A balance with its predicted step: per-cell rows, and the simulated step time and bubble of
-the chosen schedule."""
+"""A balance with its predicted step: per-cell rows, the schedule's step time and bubble."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from gpipe_fast.arguments import (
     check_int,
     check_module,
 )
+from gpipe_fast.device.host import threads_per_cell
 from gpipe_fast.nn.microbatch import as_tensors, scatter
 from gpipe_fast.planning.balance import partition
 from gpipe_fast.planning.calibrate import calibrated
@@ -35,8 +35,8 @@ from gpipe_fast.planning.profile import (
     profile_layers,
     resolve_device,
 )
-from gpipe_fast.schedules import check_schedule, placement, schedule_kind
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.timeline import Timeline
+from gpipe_fast.schedule.registry import check_schedule, placement, schedule_kind
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -191,7 +191,7 @@ def plan(
     schedule = check_schedule(schedule)
     workers = _plan_workers(schedule, cells, devices)
     if balance is not None:
-        balance = check_balance(balance, cells, len(module))
+        balance = check_balance(balance, len(module), cells=cells)
     if calibrate is not None:
         if balance is None:
             raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
@@ -325,10 +325,8 @@ def _spread(costs: Sequence[StageCosts], balance: Sequence[int]) -> list[float]:
 def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:
     """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
     or OMP_NUM_THREADS set, which GPipe leaves alone)."""
-    from gpipe_fast.gpipe import _default_threads_per_cell
-
     target = resolve_device(device, module)
-    return _default_threads_per_cell([target] * cells)
+    return threads_per_cell([target] * cells)
 
 
 @contextmanager

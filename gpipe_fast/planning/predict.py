@@ -1,5 +1,7 @@
-"""Predicts a training step's time and bubble per schedule: the native simulator over
-per-micro-batch task costs, plus the runtime's own cost per task, measured."""
+"""Predicts a training step's time and bubble per schedule.
+
+The native simulator runs over per-micro-batch task costs, plus the runtime's own cost per
+task, measured."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def task_overhead(
     nothing (nn.Identity) on CPU, its median time divided by the makespan its schedule would
     have with one unit per task. Covers what every task pays whatever the layers: the
     executor's hand-offs, the Python task body, the autograd engine's entry."""
-    from gpipe_fast.gpipe import GPipe  # a pipe depends on this module's package
+    from gpipe_fast.api.gpipe import GPipe  # a pipe depends on this module's package
 
     devices = ["cpu"] * workers
     pipe = GPipe(

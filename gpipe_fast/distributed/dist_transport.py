@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gpipe_fast import wire
-from gpipe_fast.guard import Guard
-from gpipe_fast.layout import ProcessLayout
-from gpipe_fast.transport import ACTIVATION, Flow, LocalTransport, Payload
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.local import LocalTransport
+from gpipe_fast.transport.protocol import ACTIVATION, Flow, Payload, Transport
 
 
 class DistTransport:
@@ -86,7 +89,7 @@ class DistTransport:
         header = wire.empty_header(self.device)
         return dist.irecv(header, src=peer, group=self.layout.pp_group, tag=tag), header
 
-    def expect(self, receives: list[tuple[Flow, int, int]]) -> None:
+    def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
         """Posts the header receive of each of the step's messages at once: a sender then
         delivers a header as soon as it posts it, and each receive waits only for its
         tensors (gloo moves a message once its receive is posted)."""
@@ -126,3 +129,18 @@ class DistTransport:
 
     def pending(self) -> int:
         return self.local.pending() + len(self.outbox)
+
+
+def make_transport(
+    streams: CellStreams,
+    devices: Sequence[torch.device],
+    layout: ProcessLayout,
+    guard: Guard | None,
+) -> Transport:
+    """A step's transport: in-process when every stage runs here, else across the pipeline
+    group's processes (bounded by `guard`)."""
+    local = LocalTransport(streams, devices)
+    if not layout.multi_process:
+        return local
+    assert guard is not None, "a transport across processes needs the pipe's guard"
+    return DistTransport(local, layout, guard, devices[layout.local_stages[0]])

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpipe_fast import _C
-from gpipe_fast.schedules import actions, communication_actions, ideal_bubble, schedule_kind
+from gpipe_fast.schedule.registry import actions, communication_actions, ideal_bubble, schedule_kind
 
 # The runs of a step: pipe(x)'s forward, loss.backward()'s backward, or a train_step.
 Phase = Literal["forward", "backward", "step"]

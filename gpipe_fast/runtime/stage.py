@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import ExitStack, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.nn.cell import Boundary, Cell
 from gpipe_fast.nn.microbatch import Value, as_tensors, like
-from gpipe_fast.transport import ACTIVATION, GRADIENT
-
-if TYPE_CHECKING:
-    from gpipe_fast.step import StepContext
+from gpipe_fast.runtime.context import StepContext
+from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
 
 
 def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -74,7 +72,8 @@ def _weighted(loss: Tensor, weight: float) -> Tensor:
 
 
 class Stage:
-    """Stage `cell.index` of one step (whose shared state is `step`). The executor calls one
+    """Stage `cell.index` of one step (whose shared state, and the pipe's services, come in
+    `step`). The executor calls one
     method per task, named as the task's action; each reads what it needs from the step's
     transport or its own buffers and leaves what the next action needs there."""
 
@@ -122,7 +121,7 @@ class Stage:
 
     def recompute(self, m: int) -> None:
         boundaries: list[Boundary] | None = [] if self.step.split else None
-        memory = self.step.pipeline.recompute_memory
+        memory = self.step.services.recompute_memory
         with nullcontext() if memory is None else memory.use(self.index):
             output = self._run(
                 self.inputs[m], m, grad=True, recomputing=True, boundaries=boundaries
@@ -259,7 +258,9 @@ class Stage:
     def reduce_grad(self, m: int) -> None:
         """The stage's gradients summed over the data-parallel replicas (after its last
         backward; `m` is 0)."""
-        self.step.pipeline.reduce_gradients(self.index)
+        reduce = self.step.services.reduce_gradients
+        assert reduce is not None, "reduce_grad runs only in a pipe with dp_group"
+        reduce(self.index)
 
     # -- helpers ---------------------------------------------------------------------------
 

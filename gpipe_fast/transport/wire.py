@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from gpipe_fast.transport.protocol import Payload
+
 # A fixed-size int64 header per message, so the receiver can post it before knowing
 # anything: [magic, is_tuple, count, then per entry: dtype code (-1: None), ndim, *shape].
 HEADER_LENGTH = 128
@@ -26,9 +28,6 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.complex128,
 )
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
-
-# A value crossing: a lone tensor, or a tuple of tensors (None for a missing gradient).
-Payload = Tensor | tuple[Tensor | None, ...]
 
 
 def encode(payload: Payload, device: torch.device) -> Tensor:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gpipe_fast.guard import Guard
+from gpipe_fast.distributed.guard import Guard
 
 BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default
 

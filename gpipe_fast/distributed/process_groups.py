@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from gpipe_fast.guard import Guard, PeerFailure
-from gpipe_fast.layout import ProcessLayout
-from gpipe_fast.wire import DTYPES
+from gpipe_fast.distributed.guard import Guard, PeerFailure
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.transport.wire import DTYPES
 
 # Pipes are built in the same order on every rank: their number keys their store entries.
 _PIPES = itertools.count()

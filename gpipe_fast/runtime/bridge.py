@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.nn.microbatch import as_tensors
-from gpipe_fast.step import Step
+from gpipe_fast.runtime.runner import Runner
+from gpipe_fast.runtime.step import Step
 
 
 class Enter(torch.autograd.Function):
@@ -23,7 +24,8 @@ class Enter(torch.autograd.Function):
     thread (its only incoming gradient is a zero-size CPU tensor)."""
 
     @staticmethod
-    def forward(ctx: Any, step: Step, phony: Tensor, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, runner: Runner, step: Step, phony: Tensor, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.runner = runner
         ctx.step = step
         ctx.input_meta = [(t.device, t.dtype) for t in inputs]
         return torch.empty(0)  # the phony: carries no data, only the edge to Exit
@@ -31,8 +33,8 @@ class Enter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, _grad: Tensor) -> Any:  # type: ignore[override]
         step: Step = ctx.step
-        microbatch_grads = step.backward(step.exit_grads)
-        ctx.step = step.exit_grads = None
+        microbatch_grads = ctx.runner.backward(step, step.exit_grads)
+        ctx.step = ctx.runner = step.exit_grads = None
         grads: list[Tensor | None] = []
         tracked = [i for i, needs in enumerate(step.input_needs_grad) if needs]
         for position, (device, dtype) in zip(tracked, ctx.input_meta, strict=True):
@@ -42,7 +44,7 @@ class Enter(torch.autograd.Function):
                 grads.append(None)
             else:
                 grads.append(torch.cat([p.to(device=device, dtype=dtype) for p in present]))
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 class Exit(torch.autograd.Function):

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import torch
 
 from gpipe_fast.nn.microbatch import as_tensors
-
-if TYPE_CHECKING:
-    from gpipe_fast.pipeline import Pipeline
-    from gpipe_fast.step import Step
+from gpipe_fast.runtime.pipeline import Pipeline
+from gpipe_fast.runtime.step import Step
 
 
 class CellMemoryStats(TypedDict):

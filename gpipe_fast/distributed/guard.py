@@ -149,7 +149,6 @@ class Guard:
                 return
             time.sleep(CHECK_EVERY_S)
 
-
     def check(self) -> None:
         message = self.failure()
         if message is not None:

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from gpipe_fast.api.gpipe import pipeline_of
+
 
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` for a pipe: use it as in plain PyTorch
@@ -43,7 +45,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _agree(self, optimizer: torch.optim.Optimizer) -> None:
         """Every rank's found_inf becomes 1 when any rank's is."""
-        pipeline = self._pipe._pipeline
+        pipeline = pipeline_of(self._pipe)
         groups = pipeline.groups if pipeline is not None else None
         found: dict[torch.device, torch.Tensor] = self._per_optimizer_states[id(optimizer)][
             "found_inf_per_device"

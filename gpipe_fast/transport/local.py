@@ -1,40 +1,14 @@
-"""How boundary tensors reach the next stage: the Transport interface and its in-process form."""
+"""The in-process Transport: a mailbox per step, boundary copies between CUDA stages."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, Protocol
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-
-# Activations flow from stage s to s + 1, their gradients from s to s - 1.
-Flow = Literal["activation", "gradient"]
-ACTIVATION: Flow = "activation"
-GRADIENT: Flow = "gradient"
-
-# What crosses: a lone tensor or a tuple (a gradient tuple has None where there is none).
-Payload = Tensor | tuple[Tensor | None, ...]
-
-
-class Transport(Protocol):
-    """Moves what one stage produces to the stage that consumes it. Stages only call these,
-    so the same stage code runs in one process (LocalTransport) or across processes."""
-
-    def send(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
-        """`stage`'s result for its neighbour: activations for stage + 1, gradients for
-        stage - 1 (None where a tensor has no gradient)."""
-
-    def deliver(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
-        """Hands `stage` a value from outside the stages: the pipe's input (stage 0), the
-        gradient of its output (last stage). Read in place where already on its device."""
-
-    def recv(self, flow: Flow, stage: int, microbatch: int) -> Payload:
-        """What `stage` receives for `microbatch`, in the structure it was sent, on its
-        device and ready for its stream (detached: the stage decides what requires a
-        gradient)."""
+from gpipe_fast.transport.protocol import ACTIVATION, Flow, Payload
 
 
 class LocalTransport:
@@ -64,6 +38,20 @@ class LocalTransport:
             None if t is None else receive(t.detach(), device, stage, from_caller=in_place)
             for t in payload
         )
+
+    # In one process a value is in the mailbox as soon as it is sent: the communication
+    # tasks and their bookkeeping have nothing to do.
+    def post(self, flow: Flow, stage: int, microbatch: int) -> None:
+        pass
+
+    def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
+        pass
+
+    def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
     def pending(self) -> int:
         """Values sent and not received (0 after a complete step)."""

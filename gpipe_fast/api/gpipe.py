@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
-import math
-import numbers
 import operator
-import os
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, cast
@@ -17,11 +12,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_fast.clip import check_clip_arguments, clip_grad_norm_
-from gpipe_fast.evaluate import eval_step, forward_across_processes
-from gpipe_fast.inputs import check_loss_arguments
-from gpipe_fast.layout import check_device, make_layout
-from gpipe_fast.memory import CellMemoryStats, memory_stats
+from gpipe_fast.api import live_pipes, state_dict
+from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
+from gpipe_fast.api.devices import default_balance, single_process_devices
+from gpipe_fast.arguments import (
+    check_balance,
+    check_checkpoint,
+    check_chunks,
+    check_devices,
+    check_loss_arguments,
+    check_timeout,
+)
+from gpipe_fast.device import host
+from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
     ADVICE,
@@ -34,14 +37,15 @@ from gpipe_fast.nn.materialize import (
 )
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
-from gpipe_fast.pipeline import Pipeline
 from gpipe_fast.planning.balance import balance_by_params
-from gpipe_fast.schedules import check_schedule, placement, schedule_kind
-from gpipe_fast.step import LossFn
-from gpipe_fast.timeline import Timeline
+from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.runtime.evaluate import eval_step, forward_across_processes
+from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
+from gpipe_fast.runtime.pipeline import Pipeline
+from gpipe_fast.runtime.timeline import Timeline
+from gpipe_fast.schedule.registry import check_schedule, schedule_kind
 
 Device = torch.device | str | int
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 # Appended to errors about a balance that does not fit the module.
 BALANCE_ADVICE = (
@@ -51,43 +55,6 @@ BALANCE_ADVICE = (
 )
 
 # Pipes still holding workers; joined before the interpreter starts tearing down.
-_live_pipes: weakref.WeakSet[GPipe] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_pipes() -> None:
-    for pipe in list(_live_pipes):
-        pipe.close()
-
-
-class Cells(nn.ModuleList):
-    """The pipe's cells, as torchgpipe's ``partitions``: an nn.ModuleList of nn.Sequential,
-    whose indices torch.distributed.checkpoint leaves out of its fully qualified names (see
-    GPipe._fqn_modifiers)."""
-
-    def _fqn_modifiers(self) -> dict[str, str]:
-        # torch.distributed.checkpoint.state_dict's hook for a module whose state_dict keys
-        # leave a level out: the cell index is not part of the model's keys.
-        return {str(k): str(k) for k in range(len(self))}
-
-
-class _LayersByName:
-    """This process's layers by their name in the model, for torch.distributed.checkpoint's
-    walk along a key (a cell index and a layer name may both be "1": not the cells')."""
-
-    def __init__(self, cells: Cells) -> None:
-        self._cells = cells
-
-    def __getattr__(self, name: str) -> nn.Module:
-        for cell in self._cells:
-            if name in cell._modules:
-                return cell._modules[name]  # type: ignore[return-value]
-        raise AttributeError(name)
-
-
-class TooFewDevicesError(ValueError, IndexError):
-    """Fewer devices than cells. A ValueError, like every bad argument here, and an
-    IndexError, which torchgpipe raised for it, so either ``except`` catches it."""
 
 
 class GPipe(nn.Module):
@@ -152,12 +119,12 @@ class GPipe(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
-        chunks = _check_chunks(chunks)
-        checkpoint = _check_checkpoint(checkpoint)
+        chunks = check_chunks(chunks)
+        checkpoint = check_checkpoint(checkpoint)
         if not isinstance(recompute_pool, bool):
             raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
         schedule = check_schedule(schedule)
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
 
@@ -166,18 +133,18 @@ class GPipe(nn.Module):
             if balance is None:  # the cells the schedule runs on each process (1 unless fixed)
                 per = schedule_kind(schedule).stages_per_worker or 1
                 balance = balance_by_params(size * per, module)
-            balance = _check_balance(balance, len(module))
+            balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
             layout = make_layout(pp_group, dp_group, len(balance), schedule)
             device = check_device(devices, layout)
             resolved_devices = [device] * len(balance)
             stage_workers = [layout.stage_rank(k) for k in range(len(balance))]
         else:
-            given_devices = None if devices is None else _resolve_devices(devices)
+            given_devices = None if devices is None else check_devices(devices)
             if balance is None:
-                balance = _default_balance(module, given_devices, schedule)
-            balance = _check_balance(balance, len(module))
+                balance = default_balance(module, given_devices, schedule)
+            balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
             layout = make_layout(None, dp_group, len(balance), schedule)
-            resolved_devices, stage_workers = _single_process_devices(
+            resolved_devices, stage_workers = single_process_devices(
                 given_devices, balance, schedule
             )
 
@@ -215,19 +182,17 @@ class GPipe(nn.Module):
         retie(cells, ties, here)
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
-        self.partitions = Cells(local)
-        self._layers_by_name = _LayersByName(self.partitions)
+        self.partitions = state_dict.Cells(local)
+        self._layers_by_name = state_dict.LayersByName(self.partitions)
         # Layer name in the original module -> position in partitions, so state_dict keeps
         # the original keys (and, across processes, holds this process's cells only).
         self._cell_of = {name: k for k, cell in enumerate(local) for name in cell._modules}
         # Every layer's name, so that loading the whole model's state dict on one rank
         # skips the other ranks' layers but still refuses keys of no layer at all.
         self._layer_names = {name for name, _ in named}
-        self._register_state_dict_hook(_strip_cell_prefix)
-        self._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
-        self.register_load_state_dict_post_hook(_name_keys_as_the_model)
+        state_dict.register(self)
 
-        self._threads_per_cell = _default_threads_per_cell(
+        self._threads_per_cell = host.threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
             one_worker=layout.multi_process,
         )
@@ -248,7 +213,7 @@ class GPipe(nn.Module):
             if cells
             else None
         )
-        _live_pipes.add(self)
+        live_pipes.add(self)
         if self._pipeline is not None:
             self._pipeline.sync_copies()
 
@@ -257,14 +222,14 @@ class GPipe(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the model's own names, as in ``state_dict()``."""
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield _model_key(name, f"{prefix}." if prefix else ""), param
+            yield state_dict.model_key(name, f"{prefix}." if prefix else ""), param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under the model's own names, as in ``state_dict()``."""
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield _model_key(name, f"{prefix}." if prefix else ""), buffer
+            yield state_dict.model_key(name, f"{prefix}." if prefix else ""), buffer
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys
@@ -497,7 +462,7 @@ class GPipe(nn.Module):
         cannot run afterwards."""
         if self._pipeline is not None:
             self._pipeline.close()
-        _live_pipes.discard(self)
+        live_pipes.discard(self)
 
     def _cells(self) -> list[nn.Sequential]:
         return cast(list[nn.Sequential], list(self.partitions))
@@ -572,152 +537,6 @@ class GPipe(nn.Module):
         )
 
 
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return float(timeout)
-
-
-def _single_process_devices(
-    given: list[torch.device] | None, balance: list[int], schedule: str
-) -> tuple[list[torch.device], list[int]]:
-    """Each cell's device and worker in one process, placed by the schedule's kind: one
-    device (and worker) per cell; for zbv two cells per device, cells s and 2D-1-s on
-    devices[s]; for the interleaved schedule V cells per given device, cell s on
-    devices[s % D]. Devices beyond those the cells need are left out."""
-    per = schedule_kind(schedule).stages_per_worker
-    cells = len(balance)
-    devices = _default_devices(cells // per if per else cells) if given is None else given
-    if not balance:
-        return [], []
-    if per and cells % per:
-        raise ValueError(
-            f"balance: the {schedule} schedule runs {per} cells per device, so len(balance) "
-            f"({cells}) must be a multiple of {per}"
-        )
-    if not per and not devices:
-        raise TooFewDevicesError(f"devices: {cells} cells need at least one device, got none")
-    workers = cells // per if per else len(devices)
-    if len(devices) < workers:
-        raise TooFewDevicesError(
-            f"devices: {cells} cells need {workers} devices, got {len(devices)}"
-        )
-    if not per and cells % workers:
-        raise ValueError(
-            f"balance: the {schedule} schedule needs len(balance) ({cells}) to be a multiple "
-            f"of len(devices) ({workers}): V cells per device"
-        )
-    stage_workers = placement(schedule, cells, workers)
-    return [devices[w] for w in stage_workers], stage_workers
-
-
-def _cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _whole_number(value: object) -> int | None:
-    """`value` as an int when it is one or converts to one without loss (42.0, a numpy int,
-    a one-element integer tensor); None for anything else (2.5, "8", True)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        pass
-    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-        return int(float(value))
-    return None
-
-
-def _check_chunks(chunks: object) -> int:
-    count = _whole_number(chunks)
-    if count is None:
-        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} {chunks!r}")
-    if count < 1:
-        raise ValueError(f"chunks must be >= 1, got {count}")
-    return count
-
-
-def _check_checkpoint(checkpoint: object) -> str:
-    """The mode as a plain str: from a str (or a subclass, by its contents) or from an object
-    whose str() is a mode (torchgpipe took str(checkpoint))."""
-    mode = str.__str__(checkpoint) if isinstance(checkpoint, str) else str(checkpoint)
-    if isinstance(checkpoint, bool) or mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    return mode
-
-
-def _default_balance(
-    module: nn.Sequential, devices: list[torch.device] | None, schedule: str
-) -> list[int]:
-    """Balanced by parameter count over one cell per device (see GPipe), or as many per
-    device as the schedule runs (two for zbv), at most one per layer; no cells for an empty
-    module."""
-    from gpipe_fast.planning.balance import balance_by_params
-
-    if len(module) == 0:
-        return []
-    if devices is not None:
-        available = len(devices)
-    elif torch.cuda.is_available():
-        available = torch.cuda.device_count()
-    else:
-        available = _cpu_cores()
-    # With no devices at all, still one cell, so that the device check below names them.
-    per = schedule_kind(schedule).stages_per_worker or 1
-    workers = max(1, min(available, len(module) // per))
-    return balance_by_params(min(len(module), per * workers), module)
-
-
-def _default_devices(cells: int) -> list[torch.device]:
-    """Every CUDA device; without CUDA one "cpu" device per cell (the cores are shared out
-    among CPU cells by _default_threads_per_cell)."""
-    if torch.cuda.is_available():
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    return [torch.device("cpu")] * cells
-
-
-def _resolve_devices(devices: Sequence[Device]) -> list[torch.device]:
-    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, Sequence):
-        raise TypeError(f"devices must be a list of devices, got {type(devices).__name__}")
-    resolved = []
-    for i, device in enumerate(devices):
-        try:
-            resolved.append(torch.device(device))
-        except (RuntimeError, TypeError) as error:
-            raise ValueError(f"devices[{i}] is not a device: {device!r}") from error
-    for i, device in enumerate(resolved):
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"devices[{i}]: only cpu and cuda devices are supported, got {device}")
-        if device.type == "cuda" and device.index is None:
-            resolved[i] = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def _check_balance(balance: Sequence[int], layers: int) -> list[int]:
-    if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
-        raise TypeError(f"balance must be a list of ints, got {type(balance).__name__}")
-    sizes: list[int] = []
-    for i, size in enumerate(balance):
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-            raise TypeError(f"balance[{i}] must be an int, got {type(size).__name__}")
-        if size < 1:
-            raise ValueError(
-                f"balance[{i}] = {size}: every cell needs at least one layer; {BALANCE_ADVICE}"
-            )
-        sizes.append(int(size))
-    if not sizes and layers:
-        raise ValueError(f"balance must name at least one cell; {BALANCE_ADVICE}")
-    if sum(sizes) != layers:
-        raise ValueError(
-            f"balance {sizes} sums to {sum(sizes)}, but module has {layers} layers; "
-            f"{BALANCE_ADVICE}"
-        )
-    return sizes
-
-
 def _move_in_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """How a call to Module.to(*args, **kwargs) would move the pipe, or None for a cast."""
     if "tensor" in kwargs or (args and isinstance(args[0], Tensor)):
@@ -753,65 +572,6 @@ def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
                 )
 
 
-def _default_threads_per_cell(
-    devices: list[torch.device], *, one_worker: bool = False
-) -> int | None:
-    """Each CPU cell's share of the cores, unless the user set OMP_NUM_THREADS. With
-    `one_worker` (a process of a multi-process pipe: its cells share one worker) the cores
-    are shared by the host's processes instead (LOCAL_WORLD_SIZE, as torchrun sets it)."""
-    cpu_cells = sum(device.type == "cpu" for device in devices)
-    if cpu_cells == 0 or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    if one_worker:
-        return max(1, _cpu_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, _cpu_cores() // cpu_cells)
-
-
-def _model_key(key: str, prefix: str) -> str:
-    """A key under the pipe ("partitions.<cell>.<layer>...") as the model's ("<layer>...")."""
-    if not key.startswith(prefix + "partitions."):
-        return key
-    rest = key[len(prefix) + len("partitions.") :]
-    return prefix + rest.split(".", 1)[1]
-
-
-def _strip_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-    for key in list(state):
-        model_key = _model_key(key, prefix)
-        if model_key != key:
-            state[model_key] = state.pop(key)
-
-
-def _add_cell_prefix(module: GPipe, state: dict[str, Any], prefix: str, *_: Any) -> None:
-    """The model's own keys to the cells' (a checkpoint of torchgpipe's, already in cell keys,
-    passes as it is); keys of layers that other processes run are skipped, so the whole
-    model's state dict loads on every rank; loaded tensors count as initialised."""
-    loaded = set()
-    for key in list(state):
-        if not key.startswith(prefix):
-            continue
-        name = key[len(prefix) :]
-        layer = name.split(".", 1)[0]
-        cell = module._cell_of.get(layer)
-        if cell is not None:
-            state[f"{prefix}partitions.{cell}.{name}"] = state.pop(key)
-            loaded.add(name)
-        elif layer in module._layer_names:
-            del state[key]  # a layer of another process's cells
-    if module._uninitialised:
-        module._uninitialised = [u for u in module._uninitialised if u.name not in loaded]
-
-
-def _name_keys_as_the_model(module: GPipe, incompatible: Any) -> None:
-    """Missing keys in the model's own names (the error lists them), not the cells'."""
-    for i, key in enumerate(incompatible.missing_keys):
-        head, found, rest = key.partition("partitions.")
-        cell, _, name = rest.partition(".")
-        layer = name.split(".", 1)[0]
-        if found and (not head or head.endswith(".")) and str(module._cell_of.get(layer)) == cell:
-            incompatible.missing_keys[i] = head + name
-
-
 def _identity_loss(input: Value | None, target: Any, loss_fn: LossFn) -> torch.Tensor:
     """The loss of an empty pipe: that of the input itself."""
     as_tensors(input, "input")
@@ -827,3 +587,9 @@ def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Te
     if loss.requires_grad:
         loss.backward()
     return loss.detach()
+
+
+def pipeline_of(pipe: GPipe) -> Pipeline | None:
+    """The runtime behind `pipe` (None for an empty pipe): for tests and benchmarks that
+    look at the executor, streams or schedules themselves."""
+    return pipe._pipeline

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gpipe_fast.grad_reduce import BUCKET_BYTES, buckets
-from gpipe_fast.guard import Guard
-from gpipe_fast.layout import ProcessLayout
+from gpipe_fast.distributed.grad_reduce import BUCKET_BYTES, buckets
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.nn.tied import TiedGradients
 
 

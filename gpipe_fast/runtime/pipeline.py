@@ -16,7 +16,6 @@ recompute, backward or its input and weight halves), in the order of its kind: "
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -25,13 +24,15 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.bridge import Enter, Exit
+from gpipe_fast.arguments import check_loss_arguments
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.dist_transport import DistTransport
-from gpipe_fast.grad_reduce import sum_gradients
-from gpipe_fast.inputs import check_loss_arguments, loss_weights, rank_share, scatter_target
-from gpipe_fast.layout import ProcessLayout
+from gpipe_fast.distributed.dist_transport import make_transport
+from gpipe_fast.distributed.driver import CrossProcess
+from gpipe_fast.distributed.grad_reduce import sum_gradients
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.process_groups import ProcessGroups
+from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.checkpoint import recomputed_microbatches
@@ -41,15 +42,19 @@ from gpipe_fast.nn.microbatch import (
     batch_size,
     gather,
     like,
+    loss_weights,
     scatter,
+    scatter_target,
 )
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
-from gpipe_fast.process_groups import ProcessGroups
-from gpipe_fast.schedules import ScheduleCache, schedule_kind
-from gpipe_fast.step import LossFn, Step
-from gpipe_fast.sync_copies import broadcast_replicas, broadcast_ties
-from gpipe_fast.transport import LocalTransport
+from gpipe_fast.runtime.bridge import Enter, Exit
+from gpipe_fast.runtime.context import LossFn, StageServices
+from gpipe_fast.runtime.runner import Runner
+from gpipe_fast.runtime.step import Step
+from gpipe_fast.schedule.cache import ScheduleCache
+from gpipe_fast.schedule.registry import schedule_kind
+from gpipe_fast.transport.protocol import Transport
 
 # pipe(x) with gradients cannot serve a pipe of several processes: loss.backward() on one rank
 # would not reach the other ranks' cells, nor sum the replicas' gradients.
@@ -140,24 +145,35 @@ class Pipeline:
         self.executor = _C.Executor(len(streams), self.streams.backend)
         self.executor.set_streams(streams)
         self.threads_per_cell = threads_per_cell
-        # Seconds a run may take before TimeoutError (None: no limit).
-        self.step_timeout: float | None = None
-        self.deferred_batch_norms = [
+        self.services = StageServices(
+            self.devices,
+            self.streams,
+            self.recompute_memory,
+            self.reduce_gradients if reduce_grad else None,
+        )
+        self.cross = (
+            CrossProcess(self.layout, self.groups, tied, self.task_failed)
+            if self.groups is not None
+            else None
+        )
+        deferred_batch_norms = [
             layer
             for k, m in enumerate(modules)
             if local[k]
             for layer in m.modules()
             if isinstance(layer, DeferredBatchNorm)
         ]
+        self.runner = Runner(
+            self.executor,
+            self.schedules,
+            self.streams,
+            self.devices,
+            after_backward=self.after_backward,
+            deferred_batch_norms=deferred_batch_norms,
+        )
         _preload_lazy_imports(random_cells=self.may_draw_random())
-        self._run_lock = threading.RLock()  # held around each run and its commit
         # Keeps the phony leaf alive: every pipe output hangs off it.
         self._phony = torch.empty(0, requires_grad=True)
-        # Timeline recording (off: the executor times nothing); `recorded` is the last
-        # recorded step's Step.spans.
-        self.recording = False
-        self.recorded: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = None
-        self.recorded_call_s = 0.0  # the recorded train_step call, entry to return
         # Steps between pipe(x) and their backward, for memory_stats() (weak: a dropped output
         # frees its step).
         self.live_steps: weakref.WeakSet[Step] = weakref.WeakSet()
@@ -166,14 +182,35 @@ class Pipeline:
     def local_cells(self) -> list[Cell]:
         return [cell for cell in self.cells if cell is not None]
 
-    def make_transport(self) -> Any:
+    # The runner's settings and records, as GPipe reads and sets them.
+    @property
+    def step_timeout(self) -> float | None:
+        return self.runner.step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, seconds: float | None) -> None:
+        self.runner.step_timeout = seconds
+
+    @property
+    def recording(self) -> bool:
+        return self.runner.recording
+
+    @property
+    def recorded(self) -> dict[str, tuple[Any, list[tuple[int, int, int]]]] | None:
+        return self.runner.recorded
+
+    @property
+    def recorded_call_s(self) -> float:
+        return self.runner.recorded_call_s
+
+    @recorded_call_s.setter
+    def recorded_call_s(self, seconds: float) -> None:
+        self.runner.recorded_call_s = seconds
+
+    def make_transport(self) -> Transport:
         """A step's transport: in-process, or across the pipeline group's processes."""
-        local = LocalTransport(self.streams, self.devices)
-        if not self.layout.multi_process:
-            return local
-        assert self.groups is not None
-        device = self.devices[self.layout.local_stages[0]]
-        return DistTransport(local, self.layout, self.groups.guard, device)
+        guard = self.groups.guard if self.groups is not None else None
+        return make_transport(self.streams, self.devices, self.layout, guard)
 
     def task_failed(self, error: BaseException) -> None:
         """Tells the other processes at once, so that their waits end (multi-process)."""
@@ -210,40 +247,13 @@ class Pipeline:
 
     def set_recording(self, on: bool) -> None:
         """Records the task spans of the next steps (on) or stops and forgets them (off)."""
-        self.executor.set_recording(on)
-        self.recording = on
-        self.recorded = None
-        self.recorded_call_s = 0.0
-
-    def execute(self, schedule: Any, step: Step, phase: str) -> None:
-        with self._run_lock:
-            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
-            if step.spans is not None and self.recording:
-                step.spans[phase] = (schedule, self.executor.last_spans())
-                self.recorded = step.spans
-                if phase != "step":  # pipe(x): the caller's loss lies inside the step
-                    self.recorded_call_s = 0.0
-
-    def _committed(self, run: Any) -> Any:
-        """Runs `run()` under the run lock and folds deferred BatchNorm statistics in after
-        it: a failed step's statistics never reach the next commit, and a step run from
-        another thread is not folded into this one's."""
-        with self._run_lock:
-            try:
-                result = run()
-            except BaseException:
-                for layer in self.deferred_batch_norms:
-                    layer.discard()
-                raise
-            for layer in self.deferred_batch_norms:
-                layer.commit()
-        return result
+        self.runner.set_recording(on)
 
     # -- pipe(x) ---------------------------------------------------------------------------
 
     def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
         if self.groups is not None and (torch.is_grad_enabled() or self.layout.multi_process):
-            raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.evaluate
+            raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.runtime.evaluate
         with torch.no_grad():
             microbatches = scatter(input, chunks)
         given = as_tensors(input, "input")
@@ -257,12 +267,12 @@ class Pipeline:
             self.live_steps.add(step)
         if self.tied:
             self.tied.before_step()
-        outputs = self._committed(step.forward)
+        outputs = self.runner.committed(lambda: self.runner.forward(step))
         if not track:
             return gather(outputs)
         step.gathered = as_tensors(gather([_detached(o) for o in outputs]), "output")
         inputs = [t for t, needs in zip(given, input_needs_grad, strict=True) if needs]
-        phony = Enter.apply(step, self._phony, *inputs)
+        phony = Enter.apply(self.runner, step, self._phony, *inputs)
         result = Exit.apply(step, phony)
         return like(as_tensors(result, "output"), outputs[0])
 
@@ -281,7 +291,7 @@ class Pipeline:
         loss_scale: Tensor | None = None,
     ) -> Tensor:
         check_loss_arguments(loss_fn, reduction)
-        if self.groups is not None:
+        if self.cross is not None:
             return self._train_step_across_processes(
                 input, target, loss_fn, chunks, checkpoint if training else "never", reduction,
                 loss_scale,
@@ -297,7 +307,7 @@ class Pipeline:
         )  # fmt: skip
         if self.tied:
             self.tied.before_step()
-        loss = self._committed(lambda: step.train(schedule))
+        loss = self.runner.committed(lambda: self.runner.train(step, schedule))
         self.after_backward()
         _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
         return loss  # type: ignore[no-any-return]
@@ -324,11 +334,7 @@ class Pipeline:
             self, microbatches, input_needs_grad, flags, True,
             count=count, split=self.split_backward,
         )  # fmt: skip
-        context = step.context
-        context.loss_fn = loss_fn
-        context.targets = targets
-        context.loss_weights = weights
-        context.loss_scale = loss_scale
+        step.context.set_loss(loss_fn, targets, weights, loss_scale)
         return step, schedule
 
     def _train_step_across_processes(
@@ -344,35 +350,22 @@ class Pipeline:
         """Every rank's share of a training step: the batch's size comes from cell 0's rank,
         the loss from the last cell's; cell 0's rank needs `input`, the last cell's `target`
         (others may pass None)."""
-        groups = self.groups
-        assert groups is not None
-        share = rank_share(self, input, target, chunks, needs_target=True)
+        cross = self.cross
+        assert cross is not None
+        share = cross.share(input, target, chunks, needs_target=True)
         given = share.given
         step, schedule = self._training_step(
             share.microbatches, [t.requires_grad for t in given], share.count, checkpoint, True,
             loss_fn, share.targets, loss_weights(share.batch, share.total, chunks, reduction),
             loss_scale,
         )  # fmt: skip
-        try:
-            if self.tied:
-                self.tied.before_step()
-            local = self._committed(lambda: step.train(schedule))
-            transport = step.context.transport
-            if isinstance(transport, DistTransport):
-                transport.finish()
-            if self.tied:
-                self.tied.after_backward(groups.guard, groups.device)
-                if self.layout.dp_group is not None:
-                    sum_gradients(
-                        self.tied.local_tensors(),
-                        self.layout.dp_group,
-                        groups.guard,
-                        "the tied parameters' gradients from the other replicas",
-                    )
-            loss = groups.loss(local)
-        except BaseException as error:
-            self.task_failed(error)
-            raise
+        run = self.runner
+        local = cross.run(
+            lambda: run.committed(lambda: run.train(step, schedule)),
+            step.context.transport,
+            backward=True,
+        )
+        loss = cross.loss(local)
         if given:
             _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
         return loss

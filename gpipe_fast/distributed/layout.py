@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe_fast.schedules import SCHEDULES, placement, schedule_kind
+from gpipe_fast.schedule.registry import SCHEDULES, placement, schedule_kind
 
 
 def _ranks(group: Any) -> list[int]:

@@ -1,0 +1,1 @@
+"""The facade: GPipe, its argument checks, state dict, and the pipes kept alive."""

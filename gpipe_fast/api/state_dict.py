@@ -1,0 +1,85 @@
+"""A pipe's state dict in the wrapped module's own keys, whichever cell (or rank) holds a layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def register(module: nn.Module) -> None:
+    """Installs the hooks on `module`, a GPipe (it has `_cell_of`, `_layer_names` and
+    `_uninitialised`)."""
+    module._register_state_dict_hook(_strip_cell_prefix)
+    module._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
+    module.register_load_state_dict_post_hook(_name_keys_as_the_model)
+
+
+class Cells(nn.ModuleList):
+    """The pipe's cells, as torchgpipe's ``partitions``: an nn.ModuleList of nn.Sequential,
+    whose indices torch.distributed.checkpoint leaves out of its fully qualified names (see
+    GPipe._fqn_modifiers)."""
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict's hook for a module whose state_dict keys
+        # leave a level out: the cell index is not part of the model's keys.
+        return {str(k): str(k) for k in range(len(self))}
+
+
+class LayersByName:
+    """This process's layers by their name in the model, for torch.distributed.checkpoint's
+    walk along a key (a cell index and a layer name may both be "1": not the cells')."""
+
+    def __init__(self, cells: Cells) -> None:
+        self._cells = cells
+
+    def __getattr__(self, name: str) -> nn.Module:
+        for cell in self._cells:
+            if name in cell._modules:
+                return cell._modules[name]  # type: ignore[return-value]
+        raise AttributeError(name)
+
+
+def model_key(key: str, prefix: str) -> str:
+    """A key under the pipe ("partitions.<cell>.<layer>...") as the model's ("<layer>...")."""
+    if not key.startswith(prefix + "partitions."):
+        return key
+    rest = key[len(prefix) + len("partitions.") :]
+    return prefix + rest.split(".", 1)[1]
+
+
+def _strip_cell_prefix(module: Any, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    for key in list(state):
+        renamed = model_key(key, prefix)
+        if renamed != key:
+            state[renamed] = state.pop(key)
+
+
+def _add_cell_prefix(module: Any, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """The model's own keys to the cells' (a checkpoint of torchgpipe's, already in cell keys,
+    passes as it is); keys of layers that other processes run are skipped, so the whole
+    model's state dict loads on every rank; loaded tensors count as initialised."""
+    loaded = set()
+    for key in list(state):
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        layer = name.split(".", 1)[0]
+        cell = module._cell_of.get(layer)
+        if cell is not None:
+            state[f"{prefix}partitions.{cell}.{name}"] = state.pop(key)
+            loaded.add(name)
+        elif layer in module._layer_names:
+            del state[key]  # a layer of another process's cells
+    if module._uninitialised:
+        module._uninitialised = [u for u in module._uninitialised if u.name not in loaded]
+
+
+def _name_keys_as_the_model(module: Any, incompatible: Any) -> None:
+    """Missing keys in the model's own names (the error lists them), not the cells'."""
+    for i, key in enumerate(incompatible.missing_keys):
+        head, found, rest = key.partition("partitions.")
+        cell, _, name = rest.partition(".")
+        layer = name.split(".", 1)[0]
+        if found and (not head or head.endswith(".")) and str(module._cell_of.get(layer)) == cell:
+            incompatible.missing_keys[i] = head + name

@@ -1,0 +1,1 @@
+"""Across processes: layouts, bounded waits, process groups, reductions, the dist transport."""

@@ -1,0 +1,107 @@
+"""What a step's stages are given: the pipe's services, injected, and the step's shared state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.device.recompute_pool import RecomputeMemory
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.nn.cell import AutocastState
+from gpipe_fast.nn.randomness import draw_step_seed
+from gpipe_fast.transport.protocol import Transport
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class StageServices:
+    """What the stages of every step of a pipe use of it: the cells' devices and streams,
+    the recompute pools (None: off) and the data-parallel gradient reduction (None: no
+    dp_group)."""
+
+    devices: Sequence[torch.device]
+    streams: CellStreams
+    recompute_memory: RecomputeMemory | None = None
+    reduce_gradients: Callable[[int], None] | None = None
+
+
+class StepContext:
+    """What a step's stages share: its settings, its transport, and what comes back out (the
+    losses, the input's gradient). It holds no stage, so that a step's objects form no
+    reference cycle and go as soon as the step's output is dropped."""
+
+    def __init__(
+        self,
+        services: StageServices,
+        transport: Transport,
+        learns: Sequence[bool],
+        count: int,
+        input_needs_grad: Sequence[bool],
+        checkpointed: Sequence[Sequence[bool]],
+        track: bool,
+        split: bool,
+        *,
+        random: bool,
+    ) -> None:
+        self.services = services
+        self.count = count
+        self.input_needs_grad = list(input_needs_grad)
+        self.checkpointed = checkpointed
+        self.track = track
+        self.split = split
+        self.seed = draw_step_seed() if random else 0
+        self.autocast = AutocastState.capture()
+        self.transport = transport
+        # Whether the input of stage k can need a gradient: something before it learns.
+        upstream = any(input_needs_grad)
+        self.needs_input_grad = []
+        for stage_learns in learns:
+            self.needs_input_grad.append(upstream)
+            upstream = upstream or (track and stage_learns)
+        self.input_grads: list[Any] = [None] * count
+        # Filled by train_step: the loss function, targets per micro-batch, their weights.
+        self.loss_fn: LossFn | None = None
+        self.targets: list[Any] = []
+        self.loss_weights: list[float] = []
+        # The loss scale of a grad_scaler (a 0-dim tensor), multiplied into each loss's
+        # gradient; None: unscaled.
+        self.loss_scale: Tensor | None = None
+        self.losses: list[Tensor | None] = [None] * count
+
+    def set_loss(
+        self,
+        loss_fn: LossFn,
+        targets: list[Any],
+        weights: list[float],
+        loss_scale: Tensor | None = None,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.targets = targets
+        self.loss_weights = weights
+        self.loss_scale = loss_scale
+
+    def input_grad_flags(self, stage: int, tensors: Sequence[Tensor]) -> list[bool]:
+        if stage == 0:
+            return self.input_needs_grad
+        needs = self.needs_input_grad[stage]
+        return [needs and t.is_floating_point() for t in tensors]
+
+    def target(self, stage: int, m: int) -> Any:
+        """Micro-batch m's target on `stage`'s device."""
+        device = self.services.devices[stage]
+        target = self.targets[m]
+        if isinstance(target, Tensor) and target.is_cpu and device.type == "cpu":
+            return target  # the common CPU case, on every loss task
+        with self.services.streams.on(stage):
+            if isinstance(target, Tensor):
+                return target.to(device, non_blocking=True)
+            if isinstance(target, tuple):
+                return tuple(
+                    t.to(device, non_blocking=True) if isinstance(t, Tensor) else t for t in target
+                )
+            return target

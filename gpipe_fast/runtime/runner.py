@@ -1,0 +1,138 @@
+"""The phase drivers of a pipe's steps: schedule, streams, and the native executor's run.
+
+Each phase picks its schedule, joins the caller's streams and runs the schedule on the
+executor, whose workers call Step.run_task."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.runtime.step import Step
+from gpipe_fast.schedule.cache import ScheduleCache
+from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
+
+# The receive actions and the flow each fetches.
+RECEIVES: dict[str, Flow] = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
+
+
+class Runner:
+    """Runs steps' schedules on `executor`, one run at a time, and records their task spans
+    while `recording` is on. `after_backward` is what a backward leaves to do once every
+    cell's is done (tied gradients); `deferred_batch_norms` are committed after a run that
+    succeeds and discarded after one that fails."""
+
+    def __init__(
+        self,
+        executor: Any,
+        schedules: ScheduleCache,
+        streams: CellStreams,
+        devices: Sequence[torch.device],
+        *,
+        after_backward: Callable[[], None] = lambda: None,
+        deferred_batch_norms: Sequence[DeferredBatchNorm] = (),
+    ) -> None:
+        self.executor = executor
+        self.schedules = schedules
+        self.streams = streams
+        self.devices = list(devices)
+        self.after_backward = after_backward
+        self.deferred_batch_norms = list(deferred_batch_norms)
+        # Seconds a run may take before TimeoutError (None: no limit).
+        self.step_timeout: float | None = None
+        self._lock = threading.RLock()  # held around each run and its commit
+        # Timeline recording (off: the executor times nothing); `recorded` is the last
+        # recorded step's Step.spans.
+        self.recording = False
+        self.recorded: dict[str, tuple[Any, list[tuple[int, int, int]]]] | None = None
+        self.recorded_call_s = 0.0  # the recorded train_step call, entry to return
+
+    def set_recording(self, on: bool) -> None:
+        """Records the task spans of the next steps (on) or stops and forgets them (off)."""
+        self.executor.set_recording(on)
+        self.recording = on
+        self.recorded = None
+        self.recorded_call_s = 0.0
+
+    def execute(self, schedule: Any, step: Step, phase: str) -> None:
+        """One run of `schedule`, each task dispatched to `step`."""
+        with self._lock:
+            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
+            if step.spans is not None and self.recording:
+                step.spans[phase] = (schedule, self.executor.last_spans())
+                self.recorded = step.spans
+                if phase != "step":  # pipe(x): the caller's loss lies inside the step
+                    self.recorded_call_s = 0.0
+
+    def committed(self, run: Callable[[], Any]) -> Any:
+        """Runs `run()` under the run lock and folds deferred BatchNorm statistics in after
+        it: a failed step's statistics never reach the next commit, and a step run from
+        another thread is not folded into this one's."""
+        with self._lock:
+            try:
+                result = run()
+            except BaseException:
+                for layer in self.deferred_batch_norms:
+                    layer.discard()
+                raise
+            for layer in self.deferred_batch_norms:
+                layer.commit()
+        return result
+
+    # -- phases: on the caller's thread ----------------------------------------------------
+
+    def forward(self, step: Step) -> list[Value]:
+        """The fill-drain forward of pipe(x); the last stage's outputs."""
+        schedule = self.schedules.forward(step.count)
+        # Every micro-batch is a slice of the same input tensors: one is enough for devices.
+        self.streams.cell_waits_caller(0, as_tensors(step.first_input, "input"))
+        self.execute(schedule, step, "forward")
+        last = step.last_stage()
+        outputs = list(last.outputs)
+        if not step.track:
+            last.outputs = [None] * step.count
+        self.streams.join_caller(self.devices[-1])
+        return outputs  # type: ignore[return-value]
+
+    def backward(self, step: Step, grads: list[tuple[Tensor | None, ...]]) -> list[Any]:
+        """The fill-drain backward of loss.backward(); the input's gradient per micro-batch."""
+        step.check_backward_once()
+        step.backward_done = True
+        last = len(step.stages) - 1
+        for m, grad in enumerate(grads):
+            step.context.transport.deliver(GRADIENT, last, m, grad)
+        flags = tuple(step.checkpointed[0])  # the phase path checkpoints alike on every stage
+        schedule = self.schedules.backward(flags)
+        self.streams.cells_wait_caller()
+        self.execute(schedule, step, "backward")
+        self.streams.join_caller(self.devices[0])
+        self.after_backward()
+        return step.context.input_grads
+
+    def train(self, step: Step, schedule: Any) -> Tensor:
+        """Every task of a training step (forward, loss, backward), or of an evaluation's
+        forward-only run, in one run of `schedule`; the step's loss (None where this process
+        computed none)."""
+        if step.first_input is not None:
+            self.streams.cell_waits_caller(0, as_tensors(step.first_input, "input"))
+        names = step.action_names
+        # Every receive's header, posted ahead across processes (nothing to do in one).
+        step.context.transport.expect(
+            (RECEIVES[names[t.action]], t.stage, t.microbatch)
+            for t in schedule.tasks
+            if names[t.action] in RECEIVES
+        )
+        self.execute(schedule, step, "step")
+        for device in {self.devices[k] for k, stage in enumerate(step.stages) if stage}:
+            self.streams.join_caller(device)
+        losses = [loss for loss in step.context.losses if loss is not None]
+        if not losses:
+            return None  # type: ignore[return-value]  # the last cell runs in another process
+        return torch.stack(losses).sum() if len(losses) > 1 else losses[0]

@@ -1,0 +1,1 @@
+"""Schedules by name: the native registry of kinds and actions, and the per-pipe cache."""

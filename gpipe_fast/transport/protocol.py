@@ -1,0 +1,52 @@
+"""The Transport protocol every stage calls, whether its neighbours run here or elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, Protocol
+
+from torch import Tensor
+
+# Activations flow from stage s to s + 1, their gradients from s to s - 1.
+Flow = Literal["activation", "gradient"]
+ACTIVATION: Flow = "activation"
+GRADIENT: Flow = "gradient"
+
+# What crosses: a lone tensor or a tuple (a gradient tuple has None where there is none).
+Payload = Tensor | tuple[Tensor | None, ...]
+
+
+class Transport(Protocol):
+    """Moves what one stage produces to the stage that consumes it. Stages and steps call
+    only these, so the same stage code runs in one process (LocalTransport) or across
+    processes (gpipe_fast.distributed.dist_transport)."""
+
+    def send(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
+        """`stage`'s result for its neighbour: activations for stage + 1, gradients for
+        stage - 1 (None where a tensor has no gradient)."""
+
+    def deliver(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
+        """Hands `stage` a value from outside the stages: the pipe's input (stage 0), the
+        gradient of its output (last stage). Read in place where already on its device."""
+
+    def recv(self, flow: Flow, stage: int, microbatch: int) -> Payload:
+        """What `stage` receives for `microbatch`, in the structure it was sent, on its
+        device and ready for its stream (detached: the stage decides what requires a
+        gradient)."""
+
+    def post(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """The send task: puts on its way what `stage` sent to a neighbour elsewhere."""
+
+    def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """The receive task: brings in what `stage`'s neighbour elsewhere sent it, so that
+        a later recv finds it."""
+
+    def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
+        """Told once per step, before it runs, every (flow, stage, micro-batch) its receive
+        tasks will fetch (a transport may post those receives ahead)."""
+
+    def finish(self) -> None:
+        """At the step's end: waits until everything sent has left."""
+
+    def pending(self) -> int:
+        """Values sent and not yet received (0 after a complete step)."""
