@@ -66,6 +66,14 @@ def test_every_guide_page_is_in_the_nav() -> None:
         assert f": {page.name}\n" in nav, f"docs/{page.name} is not in mkdocs.yml's nav"
 
 
+def test_api_reference_covers_every_public_name() -> None:
+    import gpipe_fast
+
+    reference = (DOCS / "reference.md").read_text(encoding="utf-8")
+    missing = [name for name in gpipe_fast.__all__ if f"::: gpipe_fast.{name}\n" not in reference]
+    assert not missing, f"docs/reference.md lacks {missing}"
+
+
 @pytest.mark.parametrize("cited", ["DESIGN.md", "../shared"])
 def test_nothing_cites_files_users_do_not_have(cited: str) -> None:
     files = [README, *DOCS.glob("*.md"), *(ROOT / "gpipe_fast").rglob("*.py")]
