@@ -12,7 +12,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.schedules import ACTIONS, SCHEDULES
+from gpipe_fast.schedule.registry import SCHEDULES, actions, schedule_kind
 
 IMAGES = Path(__file__).resolve().parent / "images"
 STAGES, MICROBATCHES = 4, 8
@@ -23,9 +23,11 @@ COSTS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0, "backward_input": 1.
 
 def simulated(kind: str) -> gf.Timeline:
     """The schedule's timeline as the native simulator predicts it with COSTS."""
-    workers = STAGES // 2 if kind == "interleaved" else STAGES
+    per_worker = schedule_kind(kind).stages_per_worker  # 0: any number; interleaved, zbv: 2
+    workers = STAGES // 2 if per_worker != 1 else STAGES
     schedule = _C.make_schedule(kind, STAGES, workers, MICROBATCHES, "never")
-    costs = [COSTS.get(ACTIONS[task.action], 0.0) for task in schedule.tasks]
+    names = actions()
+    costs = [COSTS.get(names[task.action], 0.0) for task in schedule.tasks]
     run = _C.simulate(schedule, costs)
     unit_ns = 1_000_000  # a forward is drawn as 1 ms
     spans = [

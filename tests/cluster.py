@@ -47,7 +47,7 @@ def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) 
         name, kwargs = requests.get()
         if name == "stop":
             break
-        if name == "reset":  # a fresh process group: after a failed step (see the README)
+        if name == "reset":  # a fresh process group: after a failed step (docs/processes.md)
             dist.destroy_process_group()
             dist.init_process_group(
                 "gloo", init_method=f"file://{kwargs['path']}", rank=rank, world_size=world

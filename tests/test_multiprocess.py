@@ -409,7 +409,7 @@ def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
 
 def test_an_exception_on_one_rank_reaches_every_rank(two: Cluster) -> None:
     replies = two.run("fail", timeout_s=60, failing_rank=1)
-    two.reset()  # a failed step leaves the process group to be rebuilt (README)
+    two.reset()  # a failed step leaves the process group to be rebuilt (docs/processes.md)
     failing, other = replies[1], replies[0]
     assert failing.error_type == "KeyError"  # its own type, on the failing rank
     assert "cell 1, micro-batch 2, forward pass" in failing.error

@@ -243,7 +243,7 @@ def test_named_children_live_under_partitions() -> None:
     pipe.close()
 
 
-# -- what differs by design (README: "Coming from torchgpipe") -----------------------------------
+# -- what differs by design (docs/torchgpipe.md) ---------------------------------------------------
 
 
 def test_state_dict_keeps_the_models_own_keys_and_loads_torchgpipes() -> None:

@@ -92,7 +92,8 @@ class GPipe(nn.Module):
     are summed over it. Every rank then calls :meth:`train_step` (or :meth:`eval_step`, or
     ``pipe(x)`` under ``torch.no_grad()``: the output on the last cell's rank, None on the
     others). ``timeout`` bounds every wait for another rank (seconds); a failure on any rank
-    ends the step on all (README, "Across processes").
+    ends the step on all, raising :class:`PeerFailure` on the other ranks (the guide's page
+    "Training across processes").
 
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor

@@ -1,10 +1,11 @@
 """The two autograd nodes through which loss.backward() drives a pipe(x) step's backward.
 
-`_Exit` sits on the pipe's output and only stores the incoming gradient, returning at once
+`Exit` sits on the pipe's output and only stores the incoming gradient, returning at once
 (it may run on a CUDA device thread of the autograd engine, which must never block).
-`_Enter` receives a zero-size CPU gradient from `_Exit`, so the engine runs it on the thread
-that called backward(), where it is safe to wait for the stages' workers (DESIGN.md,
-"Hazard").
+`Enter` receives a zero-size CPU gradient from `Exit`, so the engine runs it on the thread
+that called backward(), where it is safe to wait for the stages' workers. Waiting on an
+engine device thread instead could deadlock: a worker may need work that the engine queued on
+that very thread.
 """
 
 from __future__ import annotations
