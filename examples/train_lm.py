@@ -26,19 +26,22 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
+ROOT = Path(__file__).resolve().parent.parent
+if any((ROOT / "gpipe_fast").glob("_C*")):  # run from a built checkout: use its gpipe_fast
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
-import gpipe_fast as gf
+import gpipe_fast as gf  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 
@@ -191,9 +194,9 @@ def save_checkpoint(directory: Path, step: int, pipe: gf.GPipe, opt: torch.optim
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one process: DCP warns that it saves alone
         dcp.save(state, checkpoint_id=str(partial))
+    size = sum(f.stat().st_size for f in partial.glob(f"__{rank}_*"))  # before the rename
     if distributed:
         dist.barrier()  # every rank's shards are written
-    size = sum(f.stat().st_size for f in partial.glob(f"__{rank}_*"))
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # atomic: step-<N> is complete or absent
@@ -241,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "only at the end)")
     p.add_argument("--val-batch", type=int, default=32)
     p.add_argument("--loss-curve", type=Path, default=None, help="PNG of the loss curve")
-    p.add_argument("--log", type=Path, default=None, help="rank 0 appends one JSON line per "
+    p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends one JSON line per "
                    "step: step, loss, lr")
     p.add_argument("--save-final", type=Path, default=None, help="folder: each rank writes "
                    "rank<r>.pt, its own part of the final model state")
@@ -341,7 +344,10 @@ def main(argv: list[str] | None = None) -> float:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
-    log = args.log.open("a") if (args.log is not None and rank == 0) else None
+    log = None
+    if args.loss_log is not None and rank == 0:
+        args.loss_log.parent.mkdir(parents=True, exist_ok=True)
+        log = args.loss_log.open("a")
     losses: list[tuple[int, float]] = []
     evals: list[tuple[int, float]] = []
     tokens = args.batch * args.context
