@@ -171,7 +171,7 @@ def latest_checkpoint(directory: Path) -> tuple[int, Path] | None:
     dcp.save has returned (it is written as step-<N>.tmp and renamed after a barrier)."""
     found = []
     for path in directory.glob("step-*"):
-        suffix = path.name[len("step-"):]
+        suffix = path.name[len("step-") :]
         if path.is_dir() and suffix.isdigit() and (path / ".metadata").exists():
             found.append((int(suffix), path))
     return max(found) if found else None
@@ -220,36 +220,51 @@ def load_checkpoint(path: Path, pipe: gf.GPipe, opt: torch.optim.Optimizer) -> i
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--pp", type=int, default=1, help="pipeline processes")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per replica's batch")
     p.add_argument("--bf16", action="store_true", help="torch.autocast bf16 around train_step")
     p.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: no clipping)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16, help="global batch (split over --dp)")
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="global batch (split over --dp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--checkpoint-dir", type=Path, default=None)
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: "
-                   "only at the end)")
+    p.add_argument(
+        "--eval-every", type=int, default=0, help="validation every N steps (0: only at the end)"
+    )
     p.add_argument("--val-batch", type=int, default=32)
     p.add_argument("--loss-curve", type=Path, default=None, help="PNG of the loss curve")
-    p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends one JSON line per "
-                   "step: step, loss, lr")
-    p.add_argument("--save-final", type=Path, default=None, help="folder: each rank writes "
-                   "rank<r>.pt, its own part of the final model state")
-    p.add_argument("--die-at-step", type=int, default=None, help="(testing) rank 1 SIGKILLs "
-                   "itself after this step, on a torchrun job's first attempt only")
+    p.add_argument(
+        "--loss-log",
+        type=Path,
+        default=None,
+        help="rank 0 appends one JSON line per step: step, loss, lr",
+    )
+    p.add_argument(
+        "--save-final",
+        type=Path,
+        default=None,
+        help="folder: each rank writes rank<r>.pt, its own part of the final model state",
+    )
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        default=None,
+        help="(testing) rank 1 SIGKILLs "
+        "itself after this step, on a torchrun job's first attempt only",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
@@ -323,7 +338,8 @@ def main(argv: list[str] | None = None) -> float:
     for group in opt.param_groups:
         group["initial_lr"] = args.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, args.warmup, args.steps), last_epoch=start - 1)
+        opt, lambda s: lr_factor(s, args.warmup, args.steps), last_epoch=start - 1
+    )
 
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -352,6 +368,7 @@ def main(argv: list[str] | None = None) -> float:
     evals: list[tuple[int, float]] = []
     tokens = args.batch * args.context
     checkpoint_times: list[tuple[float, int]] = []
+    trained_s, rate = 0.0, None
     tick = time.perf_counter()
     for step in range(start, args.steps):
         x, y = corpus.batch(step, args.batch, args.context, args.seed)
@@ -367,7 +384,10 @@ def main(argv: list[str] | None = None) -> float:
         done = step + 1
         losses.append((done, loss))
         now = time.perf_counter()
-        rate, tick = tokens / (now - tick), now
+        trained_s += now - tick
+        # tokens/s, smoothed over the last ~20 steps (one step's time is noisy on CPU)
+        rate = tokens / (now - tick) if rate is None else 0.95 * rate + 0.05 * tokens / (now - tick)
+        tick = now
         if log is not None:
             log.write(json.dumps({"step": done, "loss": loss, "lr": lr}) + "\n")
             log.flush()
@@ -376,6 +396,7 @@ def main(argv: list[str] | None = None) -> float:
             bar.update(1)
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
             evals.append((done, evaluate()))
+            tick = time.perf_counter()  # evaluation is not training throughput
         if args.checkpoint_dir is not None and done % args.checkpoint_every == 0:
             seconds, size = save_checkpoint(args.checkpoint_dir, done, pipe, opt, rank,
                                             distributed)  # fmt: skip
@@ -385,13 +406,18 @@ def main(argv: list[str] | None = None) -> float:
                 sizes = [0] * env["world"]
                 dist.all_gather_object(sizes, size)
             if rank == 0:
-                message = (f"checkpoint step-{done}: {seconds:.2f} s, "
-                           f"{', '.join(f'{s / 1e6:.2f} MB' for s in sizes)} per rank")
+                message = (
+                    f"checkpoint step-{done}: {seconds:.2f} s, "
+                    f"{', '.join(f'{s / 1e6:.2f} MB' for s in sizes)} per rank"
+                )
                 (bar.write if bar is not None else print)(message)
             tick = time.perf_counter()  # the save is not training throughput
-        if (args.die_at_step is not None and done == args.die_at_step
-                and rank == min(1, env["world"] - 1)
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        if (
+            args.die_at_step is not None
+            and done == args.die_at_step
+            and rank == min(1, env["world"] - 1)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
             print(f"rank {rank}: dying after step {done} (--die-at-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     if bar is not None:
@@ -403,8 +429,11 @@ def main(argv: list[str] | None = None) -> float:
     evals.append((args.steps, val))
     if rank == 0:
         if losses:
-            print(f"train loss: first {losses[0][1]:.4f} (step {losses[0][0]}), last "
-                  f"{losses[-1][1]:.4f} (step {losses[-1][0]})")  # fmt: skip
+            print(
+                f"train loss: first {losses[0][1]:.4f} (step {losses[0][0]}), last "
+                f"{losses[-1][1]:.4f} (step {losses[-1][0]}); "
+                f"{tokens * len(losses) / trained_s:,.0f} tokens/s over the training steps"
+            )
         print(f"final validation loss: {val:.4f}", flush=True)
     if args.save_final is not None:
         args.save_final.mkdir(parents=True, exist_ok=True)

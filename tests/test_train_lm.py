@@ -99,8 +99,8 @@ def test_a_killed_rank_restarted_in_place_ends_bitwise_equal(
     assert "resumed from" in result.stdout and "step-4 at step 4" in result.stdout
     lines = [json.loads(line)["step"] for line in paths["log"].read_text().splitlines()]
     # Steps 1-6 (6 unless rank 0 was stopped before logging it), then 5 to the end again.
-    assert lines[-(STEPS - 4):] == list(range(5, STEPS + 1))
-    assert lines[:-(STEPS - 4)] in (list(range(1, 7)), list(range(1, 6)))
+    assert lines[-(STEPS - 4) :] == list(range(5, STEPS + 1))
+    assert lines[: -(STEPS - 4)] in (list(range(1, 7)), list(range(1, 6)))
     assert _losses(paths["log"]) == uninterrupted["losses"]  # every step's loss, exactly
     _assert_same_state(_final(paths["final"]), uninterrupted["state"])
 
@@ -182,8 +182,21 @@ def test_it_learns(tmp_path: Path) -> None:
 
 def test_other_schedules_bf16_and_clipping_run(tmp_path: Path) -> None:
     for schedule in ("zbv", "interleaved", "zero_bubble"):
-        result = _run([sys.executable, str(SCRIPT), *SMALL[:-7], "--steps", "2",
-                       "--schedule", schedule, "--bf16", "--clip", "0.5", "--no-progress"])
+        result = _run(
+            [
+                sys.executable,
+                str(SCRIPT),
+                *SMALL[:-7],
+                "--steps",
+                "2",
+                "--schedule",
+                schedule,
+                "--bf16",
+                "--clip",
+                "0.5",
+                "--no-progress",
+            ]
+        )
         _ok(result)
         assert "final validation loss" in result.stdout
 
