@@ -16,6 +16,7 @@ written at one --pp/--dp/--schedule resumes at another.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -24,6 +25,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,9 +180,10 @@ def latest_checkpoint(directory: Path) -> tuple[int, Path] | None:
 
 
 def save_checkpoint(directory: Path, step: int, pipe: gf.GPipe, opt: torch.optim.Optimizer,
-                    rank: int, distributed: bool) -> tuple[float, int]:  # fmt: skip
+                    rank: int, distributed: bool,
+                    saved: Callable[[], None] = lambda: None) -> tuple[float, int]:  # fmt: skip
     """Writes DIR/step-<step>/ with model, optimizer and step; returns (seconds, bytes this
-    rank wrote)."""
+    rank wrote). `saved` runs when this rank's dcp.save has returned (a test kills it there)."""
     start = time.perf_counter()
     final = directory / f"step-{step}"
     partial = directory / f"step-{step}.tmp"
@@ -195,6 +198,7 @@ def save_checkpoint(directory: Path, step: int, pipe: gf.GPipe, opt: torch.optim
         warnings.simplefilter("ignore")  # one process: DCP warns that it saves alone
         dcp.save(state, checkpoint_id=str(partial))
     size = sum(f.stat().st_size for f in partial.glob(f"__{rank}_*"))  # before the rename
+    saved()
     if distributed:
         dist.barrier()  # every rank's shards are written
     if rank == 0:
@@ -264,6 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="(testing) rank 1 SIGKILLs "
         "itself after this step, on a torchrun job's first attempt only",
+    )
+    p.add_argument(
+        "--die-while-saving",
+        action="store_true",
+        help="(testing) with --die-at-step N, a checkpoint step: die in the save of step N, "
+        "after this rank's dcp.save returned and before the checkpoint is renamed complete",
     )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
@@ -368,6 +378,19 @@ def main(argv: list[str] | None = None) -> float:
     evals: list[tuple[int, float]] = []
     tokens = args.batch * args.context
     checkpoint_times: list[tuple[float, int]] = []
+
+    def die(done: int, where: str) -> None:
+        """--die-at-step: rank 1 (or the only one) SIGKILLs itself, on a first attempt."""
+        if (
+            args.die_at_step is not None
+            and done == args.die_at_step
+            and (where == "while saving") == args.die_while_saving
+            and rank == min(1, env["world"] - 1)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        ):
+            print(f"rank {rank}: dying {where} {done} (--die-at-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     trained_s, rate = 0.0, None
     tick = time.perf_counter()
     for step in range(start, args.steps):
@@ -398,8 +421,10 @@ def main(argv: list[str] | None = None) -> float:
             evals.append((done, evaluate()))
             tick = time.perf_counter()  # evaluation is not training throughput
         if args.checkpoint_dir is not None and done % args.checkpoint_every == 0:
-            seconds, size = save_checkpoint(args.checkpoint_dir, done, pipe, opt, rank,
-                                            distributed)  # fmt: skip
+            seconds, size = save_checkpoint(
+                args.checkpoint_dir, done, pipe, opt, rank, distributed,
+                saved=functools.partial(die, done, "while saving"),
+            )  # fmt: skip
             checkpoint_times.append((seconds, size))
             sizes = [size]
             if distributed:
@@ -412,14 +437,7 @@ def main(argv: list[str] | None = None) -> float:
                 )
                 (bar.write if bar is not None else print)(message)
             tick = time.perf_counter()  # the save is not training throughput
-        if (
-            args.die_at_step is not None
-            and done == args.die_at_step
-            and rank == min(1, env["world"] - 1)
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        ):
-            print(f"rank {rank}: dying after step {done} (--die-at-step)", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        die(done, "after step")
     if bar is not None:
         bar.close()
     if log is not None:

@@ -105,17 +105,23 @@ def test_a_killed_rank_restarted_in_place_ends_bitwise_equal(
     _assert_same_state(_final(paths["final"]), uninterrupted["state"])
 
 
-def test_a_killed_job_relaunched_by_hand_ends_bitwise_equal(
+def test_a_job_killed_mid_save_relaunched_by_hand_ends_bitwise_equal(
     uninterrupted: dict[str, Any], tmp_path: Path
 ) -> None:
-    # The same without torchrun's restart: the killed job fails, the same command resumes it.
+    # Without torchrun's restart, and killed in the save of step 8 once its own dcp.save has
+    # returned: the job fails, step-8 was never declared complete, and the same command
+    # resumes from step-4.
     paths = _run_dir(tmp_path, "relaunched")
-    killed = _torchrun(2, _flags(paths, "--pp", "2", "--die-at-step", "6"))
+    killed = _torchrun(2, _flags(paths, "--pp", "2", "--die-at-step", "8", "--die-while-saving"))
     assert killed.returncode != 0
-    assert sorted(p.name for p in paths["ckpt"].iterdir()) == ["step-4"]
-    _ok(_torchrun(2, _flags(paths, "--pp", "2")))
+    assert "dying while saving 8" in killed.stdout
+    assert sorted(p.name for p in paths["ckpt"].iterdir()) == ["step-4", "step-8.tmp"]
+    relaunched = _torchrun(2, _flags(paths, "--pp", "2"))
+    _ok(relaunched)
+    assert "step-4 at step 4" in relaunched.stdout
     assert _losses(paths["log"]) == uninterrupted["losses"]
     _assert_same_state(_final(paths["final"]), uninterrupted["state"])
+    assert sorted(p.name for p in paths["ckpt"].iterdir()) == ["step-12", "step-4", "step-8"]
 
 
 # Resharding changes where the tied weight's two gradients are added (autograd in one process,
