@@ -121,3 +121,18 @@ def test_a_rank_that_did_not_start_the_failure_does_not_linger() -> None:
 def test_store_errors_lose_their_cpp_trace() -> None:
     error = RuntimeError("Connection reset by peer\nException raised from recvBytes at x.cpp:1")
     assert _first_line(error) == "Connection reset by peer"
+
+
+def test_a_restarted_jobs_failures_are_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun --max-restarts keeps its store: the failed attempt's failure stays in it, and
+    # must not end the steps of the attempt that follows.
+    from gpipe_fast.distributed import process_groups
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    first = process_groups._attempt()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert process_groups._attempt() != first
+    store = _store()
+    Guard(store, f"gpipe_fast/attempt{first}/pipe0", 1, 1).report("ValueError: old")
+    restarted = Guard(store, f"gpipe_fast/attempt{process_groups._attempt()}/pipe0", 0, 1)
+    assert restarted.failure() is None

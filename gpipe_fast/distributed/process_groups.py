@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import torch
@@ -23,6 +24,12 @@ FAILED_STEP_ADVICE = (
 )
 
 
+def _attempt() -> str:
+    """Which attempt of the job this is: torchrun restarts a failed job with the same store
+    (by default), where the failed attempt's failure must not end the new attempt's steps."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 class ProcessGroups:
     """A pipe's steps across processes: the guard of their waits and what the ranks agree on."""
 
@@ -32,7 +39,7 @@ class ProcessGroups:
         store = c10d._get_default_store()
         self.guard = Guard(
             store,
-            f"gpipe_fast/pipe{next(_PIPES)}",
+            f"gpipe_fast/attempt{_attempt()}/pipe{next(_PIPES)}",
             dist.get_rank(),
             timeout_s,
             peers=dist.get_world_size() - 1,
