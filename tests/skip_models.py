@@ -1,0 +1,121 @@
+"""Skippable models for the skip tests, each with a hand-written twin that has no skips."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpipe_fast.skip import Namespace, pop, skippable, stash
+
+WIDTH = 5
+
+
+@skippable(stash=["down"])
+class Down(nn.Module):
+    """Stashes its input for the matching Up, returns a transformed one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("down", x)
+        return torch.tanh(self.lin(x))
+
+
+@skippable(pop=["down"])
+class Up(nn.Module):
+    """Adds what the matching Down stashed, scaled by a weight of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("down")
+        return self.lin(x) + self.scale * skip
+
+
+@skippable(stash=["a", "b"])
+class StashTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("a", x * 2)
+        yield stash("b", torch.sin(x))
+        return self.lin(x)
+
+
+@skippable(pop=["a"], stash=["c"])
+class PopAStashC(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        a = yield pop("a")
+        y = self.lin(x) * a
+        yield stash("c", y.cos())
+        return y
+
+
+@skippable(pop=["b", "c"])
+class PopBC(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        c = yield pop("c")
+        b = yield pop("b")
+        return x + b - c
+
+
+def unet(depth: int = 2) -> nn.Sequential:
+    """Down x depth, a middle Linear, Up x depth: the same classes reused, each pair in its
+    own namespace (outermost Down pairs with outermost Up)."""
+    spaces = [Namespace() for _ in range(depth)]
+    layers: list[nn.Module] = [Down().isolate(ns) for ns in spaces]
+    layers.append(nn.Linear(WIDTH, WIDTH))
+    layers += [Up().isolate(ns) for ns in reversed(spaces)]
+    return nn.Sequential(*layers)
+
+
+class UNetTwin(nn.Module):
+    """unet()'s computation written out by hand, sharing its parameters."""
+
+    def __init__(self, model: nn.Sequential, depth: int) -> None:
+        super().__init__()
+        self.model = model
+        self.depth = depth
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = list(self.model)
+        skips = []
+        for down in layers[: self.depth]:
+            skips.append(x)
+            x = torch.tanh(down.lin(x))
+        x = layers[self.depth](x)
+        for up in layers[self.depth + 1 :]:
+            x = up.lin(x) + up.scale * skips.pop()
+        return x
+
+
+def multi() -> nn.Sequential:
+    """Two skips out of one layer, a layer that pops one and stashes another, a plain
+    layer between, and a last layer popping two."""
+    return nn.Sequential(StashTwo(), nn.Tanh(), PopAStashC(), nn.Linear(WIDTH, WIDTH), PopBC())
+
+
+class MultiTwin(nn.Module):
+    def __init__(self, model: nn.Sequential) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s2, tanh, pac, lin, _ = list(self.model)
+        a, b = x * 2, torch.sin(x)
+        x = tanh(s2.lin(x))
+        y = pac.lin(x) * a
+        c = y.cos()
+        x = lin(y)
+        return x + b - c
