@@ -479,3 +479,25 @@ def dcp_save_dies(rank: int, world: int, *, path: str, dying: int) -> dict[str, 
     finally:
         pipe.close()
     return {"saved": True}
+
+
+def thread_rule(rank: int, world: int, *, cores: int, set_threads: int | None) -> dict[str, Any]:
+    """A pipe built with no OMP_NUM_THREADS and `cores` cores: its threads and why, after the
+    caller's torch.set_num_threads(set_threads) when given (each process is on one host)."""
+    from gpipe_fast.device import host
+
+    saved = (os.environ.pop("OMP_NUM_THREADS", None), host.cpu_cores, host._IMPORT_THREADS)
+    before = torch.get_num_threads()
+    host.cpu_cores = lambda: cores  # type: ignore[assignment]
+    host._IMPORT_THREADS = before
+    try:
+        if set_threads is not None:
+            torch.set_num_threads(set_threads)
+        pipe = gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, timeout=60)
+        pipe.close()
+        return {"threads": pipe.threads_per_cell, "reason": pipe.threads_reason}
+    finally:
+        torch.set_num_threads(before)
+        omp, host.cpu_cores, host._IMPORT_THREADS = saved  # type: ignore[assignment]
+        if omp is not None:
+            os.environ["OMP_NUM_THREADS"] = omp

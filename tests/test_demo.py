@@ -84,7 +84,9 @@ def test_demo_throughput_ratio_matches_its_figures(demo: tuple[Path, str]) -> No
 
 def test_demo_breakdown_table_is_consistent(demo: tuple[Path, str]) -> None:
     _, stdout = demo
-    threads = _line(stdout, "gpipe_fast demo:").rsplit("threads per cell: ", 1)[1]
+    setup = _line(stdout, "gpipe_fast demo:").rsplit("threads per cell: ", 1)[1]
+    threads, reason = setup.split(" ", 1)  # the count, then why: "(2 cores shared by ...)"
+    assert reason.startswith("(") and reason.endswith(")")
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["cell", "threads"])
     rows = [line.split() for line in lines[header + 1 : header + 3]]

@@ -174,6 +174,18 @@ def test_default_devices_on_cpu_are_one_per_cell(make_pipe, monkeypatch, cores, 
 
 
 @no_cuda
+def test_threads_per_cell_is_yours_when_given(make_pipe, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    pipe = make_pipe(mlp(2), [2, 2], threads_per_cell=1)
+    assert pipe.threads_per_cell == 1
+    assert pipe.threads_reason == "threads_per_cell=1, as given"
+    with pytest.raises(ValueError, match="threads_per_cell must be >= 1"):
+        make_pipe(mlp(2), [2, 2], threads_per_cell=0)
+    with pytest.raises(TypeError, match="threads_per_cell must be an int or None"):
+        make_pipe(mlp(2), [2, 2], threads_per_cell=1.5)
+
+
+@no_cuda
 @pytest.mark.parametrize(("cores", "cells"), [(1, 1), (2, 2), (4, 4), (64, 6)])
 def test_default_balance_on_cpu_is_one_cell_per_core(make_pipe, monkeypatch, cores, cells):
     monkeypatch.setattr(host, "cpu_cores", lambda: cores)

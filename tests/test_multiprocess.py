@@ -209,6 +209,20 @@ def test_bf16_autocast_reaches_every_rank(two: Cluster, schedule: str) -> None:
                                        .grad, rtol=5e-2, atol=5e-3, msg=name)  # fmt: skip
 
 
+def test_threads_split_the_cores_among_the_hosts_processes(two: Cluster) -> None:
+    # No setting anywhere: the 2 processes on this host share its (here 8) cores, whatever
+    # LOCAL_WORLD_SIZE says (only torchrun sets it; these workers are not torchrun's).
+    for reply in values(two.run("thread_rule", cores=8, set_threads=None)):
+        assert reply["threads"] == 4
+        assert reply["reason"] == "8 cores shared by 2 processes of this job on this host"
+
+
+def test_a_users_torch_set_num_threads_is_kept(two: Cluster) -> None:
+    for reply in values(two.run("thread_rule", cores=8, set_threads=3)):
+        assert reply["threads"] is None  # the worker keeps the user's 3
+        assert reply["reason"] == "torch.set_num_threads(3) was called: it is kept"
+
+
 def test_zbv_puts_the_tied_embedding_and_head_on_one_rank(two: Cluster) -> None:
     # Under zbv rank 0 runs cells 0 and 3, the two ends of the V: the embedding and the head
     # that shares its weight are on one rank, whose copy gets the gradient of both uses.

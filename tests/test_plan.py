@@ -73,7 +73,7 @@ def test_plan_by_time_profiles_as_the_cells_run() -> None:
     module = nn.Sequential(nn.Linear(8, 8), _Witness(), nn.Linear(8, 8), nn.Linear(8, 8))
     before = torch.get_num_threads()
     result = gf.plan(module, torch.randn(13, 8), 2, 4, warmup=1, repeats=2)
-    cell_threads = threads_per_cell([torch.device("cpu")] * 2)
+    cell_threads = threads_per_cell([torch.device("cpu")] * 2).per_cell
     assert result.threads == cell_threads
     # The timed passes run on a micro-batch (a pass on the whole sample measures output sizes).
     timed = [seen for seen in _SEEN if seen[0] != 13]

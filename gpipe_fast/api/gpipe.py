@@ -24,6 +24,7 @@ from gpipe_fast.arguments import (
     check_timeout,
 )
 from gpipe_fast.device import host
+from gpipe_fast.distributed.host_peers import processes_on_this_host
 from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
@@ -95,6 +96,11 @@ class GPipe(nn.Module):
     ends the step on all, raising :class:`PeerFailure` on the other ranks (the guide's page
     "Training across processes").
 
+    ``threads_per_cell`` sets each CPU cell's intra-op threads. By default your own setting
+    (OMP_NUM_THREADS, or ``torch.set_num_threads`` after importing gpipe_fast) is kept;
+    otherwise the cores are shared by the cells, or across processes by the job's processes
+    on this host. ``pipe.threads_per_cell`` and ``pipe.threads_reason`` say what and why.
+
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
     that none of them reached is named in a warning, and the pipe refuses to run until it is
@@ -116,6 +122,7 @@ class GPipe(nn.Module):
         dp_group: Any | None = None,
         timeout: float = 300.0,
         init_fn: InitFn | None = None,
+        threads_per_cell: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -193,10 +200,16 @@ class GPipe(nn.Module):
         self._layer_names = {name for name, _ in named}
         state_dict.register(self)
 
-        self._threads_per_cell = host.threads_per_cell(
+        # Processes of a multi-process pipe share the host's cores: every rank counts those
+        # on its host (a collective, so every rank asks, whatever its settings).
+        grouped = layout.multi_process or layout.dp_group is not None
+        self._threads = host.threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
+            processes=processes_on_this_host() if grouped else 1,
             one_worker=layout.multi_process,
+            given=_check_threads(threads_per_cell),
         )
+        self._threads_per_cell = self._threads.per_cell
         self._step_timeout: float | None = None
         # No cells, no workers: an empty pipe is the identity (as in torchgpipe).
         self._pipeline = (
@@ -240,6 +253,14 @@ class GPipe(nn.Module):
         # state by the model's own names, as state_dict() does, and a checkpoint loads into
         # another balance, another number of processes, or the plain model.
         return {"partitions": "partitions", **dict.fromkeys(self._cell_of, "_layers_by_name")}
+
+    @property
+    def threads_reason(self) -> str:
+        """Why ``threads_per_cell`` is what it is: your setting (``threads_per_cell=``,
+        OMP_NUM_THREADS, ``torch.set_num_threads``), which is never overridden, or the
+        host's cores shared among the CPU cells (one process) or among the job's processes
+        on this host (each rank tells the others its host name when the pipe is built)."""
+        return self._threads.reason
 
     @property
     def threads_per_cell(self) -> int | None:
@@ -588,6 +609,16 @@ def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Te
     if loss.requires_grad:
         loss.backward()
     return loss.detach()
+
+
+def _check_threads(threads: object) -> int | None:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads_per_cell must be an int or None, got {threads!r}")
+    if threads < 1:
+        raise ValueError(f"threads_per_cell must be >= 1, got {threads}")
+    return threads
 
 
 def pipeline_of(pipe: GPipe) -> Pipeline | None:

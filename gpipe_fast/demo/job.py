@@ -273,7 +273,8 @@ def _print_setup(
         f"gpipe_fast demo: {len(model)} layers, {sum(p.numel() for p in model.parameters()):,} "
         f"parameters, K={len(pipe.balance)} cells {pipe.balance} on "
         f"{[str(d) for d in pipe.devices]}, M={args.chunks}, checkpoint={args.checkpoint!r}, "
-        f"threads per cell: {'default' if threads is None else threads}"
+        f"threads per cell: {'default' if threads is None else threads} "
+        f"({pipe.threads_reason})"
     )
     _say(
         f"against the plain model on {rival}: same initial weights, data and optimizer, "

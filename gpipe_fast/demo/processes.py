@@ -37,7 +37,6 @@ def _free_port() -> int:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    os.environ["LOCAL_WORLD_SIZE"] = str(args.processes)  # the cores are shared out by process
     from gpipe_fast.demo.job import _INPUTS, _data, _model  # the single-process demo's workload
 
     dist.init_process_group("gloo", rank=rank, world_size=args.processes)
@@ -73,6 +72,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
                 "spans": timeline.spans,
                 "microbatches": timeline.microbatches,
                 "threads": pipe.threads_per_cell,
+                "threads_reason": pipe.threads_reason,
                 "balance": pipe.balance,
             }
         )
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     losses, seconds = result["losses"], result["seconds"][1:] or result["seconds"]
     window = max(1, min(10, len(losses) // 2))
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'}")
+    print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'} "
+          f"({result['threads_reason']})")  # fmt: skip
     print(f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)")
     print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
     timeline = merged_timeline([r["spans"] for r in by_rank], len(result["balance"]),

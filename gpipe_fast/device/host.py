@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+# PyTorch's intra-op thread count when gpipe_fast was imported: a count that differs later
+# was set by the user (torch.set_num_threads), and is kept.
+_IMPORT_THREADS = torch.get_num_threads()
 
 
 def cpu_cores() -> int:
@@ -12,13 +17,49 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def threads_per_cell(devices: list[torch.device], *, one_worker: bool = False) -> int | None:
-    """Each CPU cell's share of the cores, unless the user set OMP_NUM_THREADS. With
-    `one_worker` (a process of a multi-process pipe: its cells share one worker) the cores
-    are shared by the host's processes instead (LOCAL_WORLD_SIZE, as torchrun sets it)."""
+@dataclass(frozen=True)
+class Threads:
+    """The intra-op threads each CPU cell's worker runs with (None: PyTorch's own setting,
+    left as it is), and why."""
+
+    per_cell: int | None
+    reason: str
+
+
+def user_threads(given: int | None) -> Threads | None:
+    """The user's own thread setting, if any, which a pipe never overrides: `given`
+    (GPipe's threads_per_cell), OMP_NUM_THREADS, or torch.set_num_threads since import."""
+    if given is not None:
+        return Threads(given, f"threads_per_cell={given}, as given")
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp:
+        return Threads(None, f"OMP_NUM_THREADS={omp} is set: PyTorch's own setting is kept")
+    current = torch.get_num_threads()
+    if current != _IMPORT_THREADS:
+        return Threads(None, f"torch.set_num_threads({current}) was called: it is kept")
+    return None
+
+
+def threads_per_cell(
+    devices: list[torch.device],
+    *,
+    processes: int = 1,
+    one_worker: bool = False,
+    given: int | None = None,
+) -> Threads:
+    """Each CPU cell's share of the cores, unless the user set a count (user_threads): the
+    cores shared by the `processes` of the job on this host and, within this process, by
+    its CPU cells' workers (one worker for all, with `one_worker`: a process of a pipeline
+    group)."""
     cpu_cells = sum(device.type == "cpu" for device in devices)
-    if cpu_cells == 0 or os.environ.get("OMP_NUM_THREADS"):
-        return None
-    if one_worker:
-        return max(1, cpu_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, cpu_cores() // cpu_cells)
+    if cpu_cells == 0:
+        return Threads(None, "no CPU cell")
+    mine = user_threads(given)
+    if mine is not None:
+        return mine
+    cores = cpu_cores()
+    workers = 1 if one_worker else cpu_cells
+    sharing = [f"{processes} processes of this job on this host"] if processes > 1 else []
+    sharing += [f"{cpu_cells} CPU cells"] if workers > 1 else []
+    among = " x ".join(sharing) or "this process's one worker"
+    return Threads(max(1, cores // (processes * workers)), f"{cores} cores shared by {among}")

@@ -326,7 +326,7 @@ def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int |
     """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
     or OMP_NUM_THREADS set, which GPipe leaves alone)."""
     target = resolve_device(device, module)
-    return threads_per_cell([target] * cells)
+    return threads_per_cell([target] * cells).per_cell
 
 
 @contextmanager
