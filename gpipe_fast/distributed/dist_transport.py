@@ -112,8 +112,8 @@ class DistTransport:
             for e in entries
         ]
         requests = [dist.irecv(t, src=peer, group=group, tag=tag) for t in tensors if t is not None]
-        for request in requests:
-            self.guard.wait(request, what, peer)
+        if requests:  # one hand-off to the guard's waiters for all of them
+            self.guard.wait(requests, what, peer)
         self.local.deliver(flow, stage, microbatch, wire.assemble(is_tuple, tensors))
 
     def _collect(self) -> None:
@@ -123,8 +123,7 @@ class DistTransport:
     def finish(self) -> None:
         """Waits for every send of the step to complete (at its end)."""
         for requests, _buffers, what, peer in self.sends:
-            for request in requests:
-                self.guard.wait(request, f"{what} to be received", peer)
+            self.guard.wait(requests, f"{what} to be received", peer)
         self.sends.clear()
 
     def pending(self) -> int:
