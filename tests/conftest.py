@@ -1,4 +1,5 @@
-"""Shared fixtures: fresh seeds, and pipes closed after each test so workers never pile up."""
+"""Shared fixtures: fresh seeds, pipes closed after each test so workers never pile up, and
+the persistent gloo workers of the multi-process tests (one set per test module)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from cluster import Cluster
 
 import gpipe_fast as gf
 
@@ -31,3 +33,19 @@ def make_pipe() -> Iterator[type[gf.GPipe]]:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def two() -> Iterator[Cluster]:
+    """Two gloo workers, reused by the module's tests."""
+    cluster = Cluster(2)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="module")
+def four() -> Iterator[Cluster]:
+    """Four gloo workers, reused by the module's tests."""
+    cluster = Cluster(4)
+    yield cluster
+    cluster.close()

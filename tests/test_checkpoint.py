@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 
 import dist_cases
@@ -20,20 +19,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import gpipe_fast as gf
 
 FLAT = dist_cases.FLAT
-
-
-@pytest.fixture(scope="module")
-def two() -> Iterator[Cluster]:
-    cluster = Cluster(2)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture(scope="module")
-def four() -> Iterator[Cluster]:
-    cluster = Cluster(4)
-    yield cluster
-    cluster.close()
 
 
 @pytest.fixture(scope="module")

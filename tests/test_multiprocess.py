@@ -5,7 +5,6 @@ one rank's failure or death ending the step on every rank."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import dist_cases
@@ -16,20 +15,6 @@ from cluster import Cluster, values
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
-
-
-@pytest.fixture(scope="module")
-def two() -> Iterator[Cluster]:
-    cluster = Cluster(2)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture(scope="module")
-def four() -> Iterator[Cluster]:
-    cluster = Cluster(4)
-    yield cluster
-    cluster.close()
 
 
 Ties = tuple[tuple[int, int], ...]

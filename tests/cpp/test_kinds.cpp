@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "show_program.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
 #include "gpipe_fast/kinds.hpp"
@@ -24,32 +25,9 @@ using gpipe_fast::Task;
 using gpipe_fast::TaskKey;
 namespace action = gpipe_fast::action;
 
+using show_program::show;
+
 namespace {
-
-std::string letter(gpipe_fast::ActionId id) {
-  switch (id) {
-    case action::Forward: return "F";
-    case action::Recompute: return "R";
-    case action::Backward: return "B";
-    case action::BackwardInput: return "I";
-    case action::BackwardWeight: return "W";
-    case action::Loss: return "L";
-    default: return "?";
-  }
-}
-
-std::string show(const Program& program) {
-  std::string out;
-  for (std::size_t w = 0; w < program.size(); ++w) {
-    if (w) out += " | ";
-    for (std::size_t i = 0; i < program[w].size(); ++i) {
-      const TaskKey& k = program[w][i];
-      out += (i ? " " : "") + letter(k.action) + std::to_string(k.stage) + "." +
-             std::to_string(k.microbatch);
-    }
-  }
-  return out;
-}
 
 std::string message_of(void (*attempt)()) {
   try {

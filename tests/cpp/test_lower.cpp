@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "show_program.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
 #include "gpipe_fast/lower.hpp"
@@ -17,33 +18,9 @@ using gpipe_fast::Schedule;
 using gpipe_fast::TaskKey;
 namespace action = gpipe_fast::action;
 
+using show_program::show;
+
 namespace {
-
-std::string letters(gpipe_fast::ActionId id) {
-  switch (id) {
-    case action::Forward: return "F";
-    case action::Recompute: return "R";
-    case action::Backward: return "B";
-    case action::BackwardInput: return "I";
-    case action::BackwardWeight: return "W";
-    case action::Loss: return "L";
-    case action::SendForward: return "sF";
-    case action::RecvForward: return "rF";
-    case action::SendBackward: return "sB";
-    case action::RecvBackward: return "rB";
-    case action::ReduceGrad: return "AR";
-    default: return "?";
-  }
-}
-
-std::string show(const std::vector<TaskKey>& order) {
-  std::string out;
-  for (const TaskKey& k : order) {
-    if (!out.empty()) out += " ";
-    out += letters(k.action) + std::to_string(k.stage) + "." + std::to_string(k.microbatch);
-  }
-  return out;
-}
 
 std::vector<int> ranks_of(int workers, int ranks) {
   std::vector<int> out;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "show_program.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/generators.hpp"
 #include "gpipe_fast/kinds.hpp"
@@ -24,40 +25,16 @@ using gpipe_fast::Task;
 using gpipe_fast::TaskKey;
 namespace action = gpipe_fast::action;
 
+using show_program::show;
+
 namespace {
-
-const char* letter(gpipe_fast::ActionId id) {
-  switch (id) {
-    case action::Forward: return "F";
-    case action::Recompute: return "R";
-    case action::Backward: return "B";
-    case action::BackwardInput: return "I";
-    case action::BackwardWeight: return "W";
-    case action::Loss: return "L";
-    default: return "?";
-  }
-}
-
-// "F0.1 L1.1 ..." per worker, joined by " | ": stage.micro-batch after the action's letter.
-std::string show(const Program& program) {
-  std::string out;
-  for (std::size_t w = 0; w < program.size(); ++w) {
-    if (w) out += " | ";
-    for (std::size_t i = 0; i < program[w].size(); ++i) {
-      const TaskKey& k = program[w][i];
-      if (i) out += " ";
-      out += std::string(letter(k.action)) + std::to_string(k.stage) + "." + std::to_string(k.microbatch);
-    }
-  }
-  return out;
-}
 
 std::string show(const Schedule& s) {
   Program program(static_cast<std::size_t>(s.workers()));
   for (int w = 0; w < s.workers(); ++w) {
     for (int id : s.order(w)) program[static_cast<std::size_t>(w)].push_back(s.task(id).key());
   }
-  return show(program);
+  return show_program::show(program);
 }
 
 std::string deps(const Schedule& s) {
