@@ -19,8 +19,9 @@ Contenders, each with its own copy of the model and its own optimizer on each ra
 | zbv | ScheduleZBVZeroBubble |
 
 The floor: each rank's own work alone (its half of the model, forward and backward of the M
-micro-batches in turn, and its SGD step), timed in the same rounds; a two-stage pipeline
-can at best take the slower rank's time x (M + 1) / M. Rounds interleave the contenders
+micro-batches in turn, and its SGD step) with its share of the cores (half each, both ranks
+at once), timed in the same rounds; a two-stage pipeline can at best take the slower rank's
+time x (M + 1) / M. Rounds interleave the contenders
 (order rotated each round); a step is timed from the request to both ranks to their last
 reply. For our schedules one recorded step per schedule gives each rank's compute,
 communication (sends on the compute worker, receives on their own) and idle time.
@@ -130,15 +131,25 @@ def _floor(rank: int, width: int, chunks: int, x: Any, y: Any) -> Any:
     inputs = [m.detach().requires_grad_(rank > 0) for m in x.chunk(chunks)]
     targets = list(y.chunk(chunks))
 
+    # The machine's floor: each rank with its share of the cores (both run at once), however
+    # the environment leaves the contenders' threads.
+    share = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                    else os.cpu_count() or 1) // 2)  # fmt: skip
+
     def step() -> None:
-        opt.zero_grad()
-        for micro, target in zip(inputs, targets, strict=True):
-            out = half(micro)
-            if rank == 1:
-                nn.functional.mse_loss(out, target).backward()
-            else:
-                out.backward(torch.ones_like(out))
-        opt.step()
+        before = torch.get_num_threads()
+        torch.set_num_threads(share)
+        try:
+            opt.zero_grad()
+            for micro, target in zip(inputs, targets, strict=True):
+                out = half(micro)
+                if rank == 1:
+                    nn.functional.mse_loss(out, target).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            opt.step()
+        finally:
+            torch.set_num_threads(before)
 
     return step
 

@@ -58,3 +58,35 @@ def test_an_unknown_dtype_is_refused() -> None:
 def test_a_message_that_is_no_header_is_named() -> None:
     with pytest.raises(RuntimeError, match="did not start with a gpipe_fast header"):
         wire.layout(torch.zeros(wire.HEADER_LENGTH, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        torch.randn(16, 128),
+        (torch.randn(3, 5).double(), None, torch.tensor([True, False, True])),
+        (torch.randn(2, 3).bfloat16(), torch.arange(7), torch.randn(2).to(torch.complex64)),
+        torch.zeros(0, 4),
+    ],
+)
+def test_small_tensors_travel_inside_the_header_message(payload: object) -> None:
+    message = wire.encode(payload, CPU, wire.INLINE_BYTES)  # type: ignore[arg-type]
+    assert message.numel() == wire.HEADER_LENGTH + wire.INLINE_BYTES // 8  # one fixed size
+    assert wire.is_inline(message)
+    received = message.clone()  # what the receiver's posted buffer holds
+    is_tuple, entries = wire.layout(received)
+    got = wire.assemble(is_tuple, wire.inline(received, entries))
+    want = payload if isinstance(payload, tuple) else (payload,)
+    got_entries = got if isinstance(got, tuple) else (got,)
+    assert is_tuple == isinstance(payload, tuple)
+    for g, w in zip(got_entries, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_large_tensors_follow_their_header() -> None:
+    big = torch.randn(wire.INLINE_BYTES // 4 + 1)  # one float more than the room
+    message = wire.encode(big, CPU, wire.INLINE_BYTES)
+    assert not wire.is_inline(message)
+    assert not wire.is_inline(wire.encode(torch.randn(2), CPU))  # no room: header alone

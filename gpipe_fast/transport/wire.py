@@ -1,4 +1,5 @@
-"""What travels ahead of a boundary value between processes: its structure, dtypes and shapes."""
+"""What travels ahead of a boundary value between processes: its structure, dtypes and shapes,
+and, when they are small, its tensors too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from gpipe_fast.transport.protocol import Payload
 # anything: [magic, is_tuple, count, then per entry: dtype code (-1: None), ndim, *shape].
 HEADER_LENGTH = 128
 MAGIC = 0x67705F66  # "gp_f"
+# The magic of a header whose message also carries the tensors (`inline_bytes` of room after
+# the header, each tensor at an offset aligned to ALIGN): one message, one round trip, where
+# a header and then the tensors would take two (small tensors are dominated by it).
+MAGIC_INLINE = 0x67705F69  # "gp_i"
+ALIGN = 16
+# The room for inline tensors in a message between CPU processes (gloo): an 8 KiB activation
+# travels with its header.
+INLINE_BYTES = 32 * 1024
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float64,
@@ -30,10 +39,17 @@ DTYPES: tuple[torch.dtype, ...] = (
 _CODES = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 
-def encode(payload: Payload, device: torch.device) -> Tensor:
-    """The header describing `payload`, on `device`."""
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Tensor:
+    """The header describing `payload`, on `device`, followed by `inline_bytes` of room that
+    holds the tensors themselves when they fit (inline: then nothing follows the message)."""
     entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
-    header = [MAGIC, int(isinstance(payload, tuple)), len(entries)]
+    sizes = [_aligned(t.numel() * t.element_size()) for t in entries if t is not None]
+    inline = inline_bytes > 0 and sum(sizes) <= inline_bytes
+    header = [MAGIC_INLINE if inline else MAGIC, int(isinstance(payload, tuple)), len(entries)]
     for entry in entries:
         if entry is None:
             header += [-1, 0]
@@ -50,23 +66,56 @@ def encode(payload: Payload, device: torch.device) -> Tensor:
             f"at most {HEADER_LENGTH} fit (fewer tensors or dimensions per stage boundary)"
         )
     header += [0] * (HEADER_LENGTH - len(header))
-    return torch.tensor(header, dtype=torch.int64, device=device)
+    message = torch.empty(HEADER_LENGTH + inline_bytes // 8, dtype=torch.int64, device=device)
+    message[:HEADER_LENGTH] = torch.tensor(header, dtype=torch.int64)
+    if inline:
+        room = message[HEADER_LENGTH:].view(torch.uint8)
+        at = 0
+        for entry, size in zip(tensors(payload), sizes, strict=True):
+            nbytes = entry.numel() * entry.element_size()
+            room[at : at + nbytes].copy_(entry.reshape(-1).view(torch.uint8))
+            at += size
+    return message
 
 
-def empty_header(device: torch.device) -> Tensor:
-    return torch.empty(HEADER_LENGTH, dtype=torch.int64, device=device)
+def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
+    return torch.empty(HEADER_LENGTH + inline_bytes // 8, dtype=torch.int64, device=device)
 
 
-def layout(header: Tensor) -> tuple[bool, list[tuple[torch.dtype, tuple[int, ...]] | None]]:
+def is_inline(header: Tensor) -> bool:
+    """Whether the message of `header` carried its tensors (see `inline`)."""
+    return int(header[0].item()) == MAGIC_INLINE
+
+
+Entry = tuple[torch.dtype, tuple[int, ...]] | None  # a tensor's dtype and shape, or None
+
+
+def inline(header: Tensor, entries: Sequence[Entry]) -> list[Tensor | None]:
+    """The tensors an inline message carried after its header: views of the message."""
+    room = header[HEADER_LENGTH:].view(torch.uint8)
+    out: list[Tensor | None] = []
+    at = 0
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        dtype, shape = entry
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(room[at : at + nbytes].view(dtype).view(shape))
+        at += _aligned(nbytes)
+    return out
+
+
+def layout(header: Tensor) -> tuple[bool, list[Entry]]:
     """(is_tuple, per entry its dtype and shape or None) from a received header."""
-    values = header.tolist()
-    if values[0] != MAGIC:
+    values = header[:HEADER_LENGTH].tolist()
+    if values[0] not in (MAGIC, MAGIC_INLINE):
         raise RuntimeError(
             "gpipe_fast: a boundary message did not start with a gpipe_fast header: the ranks "
             "run different programs (same model, balance, chunks and schedule on every rank?)"
         )
     is_tuple, count, at = bool(values[1]), values[2], 3
-    entries: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
+    entries: list[Entry] = []
     for _ in range(count):
         code, ndim = values[at], values[at + 1]
         at += 2
