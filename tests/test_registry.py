@@ -4,7 +4,8 @@ in-flight bound, ideal bubbles, and actions registered at run time as data."""
 from __future__ import annotations
 
 import itertools
-import threading
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,9 @@ from gpipe_fast.runtime.step import Step
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule import registry as schedules
 from gpipe_fast.schedule.registry import Need
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from schedule_memory import Counter
 
 _names = (f"registry_test_{n}" for n in itertools.count())
 
@@ -82,49 +86,16 @@ def test_zbv_by_default_runs_two_cells_per_device(make_pipe: Any) -> None:
     assert plan.bubble == pytest.approx(_C.ideal_bubble("zbv", 4, 2, 2))
 
 
-class _Tally:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.now = self.peak = 0
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.now += n
-            self.peak = max(self.peak, self.now)
-
-
-class _Count(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tally: _Tally) -> torch.Tensor:  # type: ignore[override]
-        ctx.tally = tally
-        tally.add(1)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.tally.add(-1)
-        return grad, None
-
-
-class _Counter(nn.Module):
-    def __init__(self, tally: _Tally) -> None:
-        super().__init__()
-        self.tally = [tally]  # a list: not a submodule
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Count.apply(x, self.tally[0])  # type: ignore[no-any-return]
-
-
 @pytest.mark.parametrize(("workers", "chunks"), [(2, 4), (3, 7), (4, 8)])
 def test_zbv_micro_batches_in_flight_per_worker(make_pipe: Any, workers: int, chunks: int) -> None:
     # Each cell counts forwards whose input gradient has not run, into its worker's tally:
     # the runtime follows the program on the V's workers, within ZB-V's bound.
     stages = 2 * workers
     where = schedules.placement("zbv", stages, workers)
-    tallies = [_Tally() for _ in range(workers)]
+    tallies = [Counter() for _ in range(workers)]  # bench/schedule_memory.py's counters
     layers: list[nn.Module] = []
     for stage in range(stages):
-        layers += [nn.Linear(3, 3), _Counter(tallies[where[stage]])]
+        layers += [nn.Linear(3, 3), Counter(tallies[where[stage]])]
     pipe = make_pipe(nn.Sequential(*layers).double(), [2] * stages, devices=["cpu"] * workers,
                      chunks=chunks, checkpoint="never", schedule="zbv")  # fmt: skip
     x = torch.randn(2 * chunks, 3, dtype=torch.float64)
