@@ -36,7 +36,6 @@ def test_skips_inside_cells(make_pipe, balance: list[int], checkpoint: str) -> N
     assert_same_run(pipe_run(pipe, module, x), want)
 
 
-@pytest.mark.xfail(reason=NOT_WIRED, raises=RuntimeError, strict=True)
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 @pytest.mark.parametrize("balance", [[2, 3], [1, 3, 1]])
 def test_skips_across_cells(make_pipe, balance: list[int], checkpoint: str) -> None:
