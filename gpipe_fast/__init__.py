@@ -4,7 +4,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 (tests/test_layers.py checks it):
 
 1. _C (the native core), arguments (argument checks shared by every layer)
-2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores)
+2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores), skip/
+   (skippable layers, their trackers and layout)
 3. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
 4. transport/ (the Transport protocol, the in-process transport, the wire header)
 5. distributed/ (layouts, guard, process groups, reductions, dist transport, the

@@ -315,6 +315,24 @@ def bad_layouts(rank: int, world: int) -> list[tuple[str, str]]:
     return errors
 
 
+def skip_across_processes(rank: int, world: int) -> list[tuple[str, str]]:
+    """A skip between cells of different processes is refused (type and message, every
+    rank); one inside a cell is not."""
+    from skip_models import Down, Up
+
+    errors = []
+    for balance in ([1, 3], [2, 2]):  # Down | Linear Linear Up; Down Up | Linear Linear
+        layers = [Down(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), Up()]
+        if balance == [2, 2]:
+            layers = [Down(), Up(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)]
+        try:
+            gf.GPipe(nn.Sequential(*layers).double(), balance, pp_group=dist.group.WORLD).close()
+            errors.append(("none", ""))
+        except Exception as error:
+            errors.append((type(error).__name__, str(error)))
+    return errors
+
+
 def meta_gpt(
     rank: int, world: int, *, pp: int, dp: int, balance: list[int], schedule: str
 ) -> dict[str, Any]:

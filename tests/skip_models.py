@@ -119,3 +119,76 @@ class MultiTwin(nn.Module):
         c = y.cos()
         x = lin(y)
         return x + b - c
+
+
+@skippable(stash=["ng", "idx"])
+class StashNoGrad(nn.Module):
+    """Stashes a tensor cut from the graph and an integer one: skips with no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("ng", x.detach() * 2)
+        yield stash("idx", (x > 0).long())
+        return self.lin(x)
+
+
+@skippable(pop=["ng", "idx"])
+class PopNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        ng = yield pop("ng")
+        idx = yield pop("idx")
+        assert not idx.is_floating_point()
+        return self.lin(x) * ng + idx.to(x.dtype)
+
+
+@skippable(stash=["none"])
+class StashNone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        yield stash("none", None)
+        return self.lin(x)
+
+
+@skippable(pop=["none"])
+class PopNone(nn.Module):
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("none")
+        assert skip is None
+        return x * 2
+
+
+@skippable(stash=["drop"])
+class DropDown(nn.Module):
+    """Stashes a dropout of its transformed input: the pipe must replay the same mask when
+    it recomputes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        y = self.lin(x)
+        yield stash("drop", self.dropout(y))
+        return torch.tanh(y)
+
+
+@skippable(pop=["drop"])
+class DropUp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+        skip = yield pop("drop")
+        return self.lin(x) * skip

@@ -143,3 +143,38 @@ def test_unpopped_stash_replaced_by_the_next() -> None:
         Down()(second)
     assert len(tracker.tensors) == 1
     assert tracker.tensors[(None, "down")] is second
+
+
+def test_a_cut_cell_tracker_tells_each_layers_skips() -> None:
+    # What the zero-bubble schedules run: each layer's popped leaves and stashed tensors
+    # are extra inputs and outputs of its piece of graph, inside the cell too.
+    from gpipe_fast.skip import CellSkipTracker, inspect_skip_layout
+
+    ns_in, ns_out = Namespace(), Namespace()
+    cells = [
+        [Down().isolate(ns_in), Up().isolate(ns_in), Down().isolate(ns_out)],
+        [Up().isolate(ns_out)],
+    ]
+    layout = inspect_skip_layout(cells)
+    x = torch.randn(2, WIDTH, requires_grad=True)
+    tracker = CellSkipTracker(layout, 0, cut=True)
+    taken = []
+    with use_skip_tracker(tracker):
+        y = x
+        for layer in cells[0]:
+            y = layer(y)
+            taken.append(tracker.take_layer())
+    (_, stashed0), (popped1, _), (_, stashed2) = taken
+    assert [key for key, _ in stashed0] == [(ns_in, "down")] and stashed0[0][1] is x
+    # The pop inside the cell gets a leaf of the stash, cut from its graph.
+    assert [key for key, _ in popped1] == [(ns_in, "down")]
+    leaf = popped1[0][1]
+    assert leaf is not x and leaf.grad_fn is None and leaf.requires_grad
+    assert [key for key, _ in stashed2] == [(ns_out, "down")]
+    assert tracker.outgoing[(ns_out, "down")] is stashed2[0][1]
+    # The cell that pops it gets what was received, and tells it as the layer's pop.
+    received = stashed2[0][1].detach().requires_grad_()
+    popping = CellSkipTracker(layout, 1, {(ns_out, "down"): received}, cut=True)
+    with use_skip_tracker(popping):
+        cells[1][0](torch.randn(2, WIDTH))
+    assert popping.take_layer() == ([((ns_out, "down"), received)], [])

@@ -45,6 +45,9 @@ from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import check_schedule, schedule_kind
+from gpipe_fast.skip.layout import SkipLayout, inspect_skip_layout
+from gpipe_fast.skip.skippable import Skippable
+from gpipe_fast.skip.verify import verify_skippables
 
 Device = torch.device | str | int
 
@@ -135,6 +138,9 @@ class GPipe(nn.Module):
         timeout = check_timeout(timeout)
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
+        skippable = any(isinstance(layer, Skippable) for layer in module.children())
+        if skippable:
+            verify_skippables(module)  # TypeError naming every unmatched stash or pop
 
         if pp_group is not None:
             size = dist.get_world_size(pp_group)
@@ -173,6 +179,7 @@ class GPipe(nn.Module):
             cells.append(cell)
             start += size
         _reject_shared_buffers(cells)
+        skips = _skip_layout(cells, layout.multi_process) if skippable else None
         ties = find_ties(cells)
         if not layout.multi_process:
             replicate_across_devices(cells, self.devices, ties)
@@ -223,6 +230,7 @@ class GPipe(nn.Module):
                 layout=layout,
                 timeout_s=timeout,
                 tied=tied,
+                skips=skips,
             )
             if cells
             else None
@@ -625,3 +633,24 @@ def pipeline_of(pipe: GPipe) -> Pipeline | None:
     """The runtime behind `pipe` (None for an empty pipe): for tests and benchmarks that
     look at the executor, streams or schedules themselves."""
     return pipe._pipeline
+
+
+def _skip_layout(cells: Sequence[nn.Sequential], multi_process: bool) -> SkipLayout | None:
+    """Where the skippable layers' skips are stashed and popped, found once from the cells
+    (None when no skip is stashed and popped). A skip between cells of different processes
+    is not carried yet."""
+    layout = inspect_skip_layout(cells)
+    if not layout.routes:
+        return None
+    crossing = layout.crossing()
+    if multi_process and crossing:
+        names = ", ".join(
+            f"'{route.name}' (cell {route.stash_cell} to cell {route.pop_cell})"
+            for route in crossing
+        )
+        raise NotImplementedError(
+            f"gpipe_fast: skip connections across cells are not supported with pp_group yet: "
+            f"{names}; choose a balance that keeps each stash and its pop in one cell, or run "
+            "the pipe in one process"
+        )
+    return layout

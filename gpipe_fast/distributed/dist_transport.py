@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,25 @@ class DistTransport:
         return self.local.recv(flow, stage, microbatch)
 
     # -- the communication actions -----------------------------------------------------------
+
+    def send_skip(
+        self,
+        flow: Flow,
+        stage: int,
+        receiver: int,
+        microbatch: int,
+        key: Hashable,
+        tensor: Tensor | None,
+    ) -> None:
+        if not (self.layout.is_local(stage) and self.layout.is_local(receiver)):
+            # GPipe refuses a pipe whose skips cross cells with pp_group before it runs.
+            raise NotImplementedError(
+                "gpipe_fast: skip connections between processes are not supported yet"
+            )
+        self.local.send_skip(flow, stage, receiver, microbatch, key, tensor)
+
+    def recv_skip(self, flow: Flow, stage: int, microbatch: int, key: Hashable) -> Tensor | None:
+        return self.local.recv_skip(flow, stage, microbatch, key)
 
     def _tag(self, flow: Flow, boundary: int, microbatch: int) -> int:
         return (

@@ -13,6 +13,7 @@ from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
 from gpipe_fast.nn.checkpoint import pass_flags
 from gpipe_fast.nn.microbatch import Value, as_tensors, like
 from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
+from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey, use_skip_tracker
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,10 @@ def _global_hooks() -> bool:
     )
 
 
-# A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs.
-Boundary = tuple[tuple[Tensor, ...], tuple[Tensor, ...]]
+# A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs,
+# then the keys of the skips it popped and stashed. The popped skips' leaves end `inputs`
+# and the stashed skips' tensors end `outputs`, in the order of their keys.
+Boundary = tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[SkipKey, ...], tuple[SkipKey, ...]]
 
 
 class Cell:
@@ -108,12 +111,14 @@ class Cell:
         checkpointing: bool = False,
         recomputing: bool = False,
         boundaries: list[Boundary] | None = None,
+        skips: CellSkipTracker | None = None,
     ) -> Value:
         """The cell on one micro-batch under what its forward needs: its worker's settings,
         its stream, the caller's autocast, the pass flags, the task's own random generators
         and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
         by one with the graph cut between them, each layer's (input leaves, outputs) appended
-        there, so that input and weight gradients can be computed apart (zero bubble). The
+        there, so that input and weight gradients can be computed apart (zero bubble). With
+        `skips`, the cell's skippable layers stash and pop through that tracker. The
         common CPU case skips every part it does not need: this runs on every task."""
         if not self.prepared:
             self.prepare_worker()
@@ -128,7 +133,7 @@ class Cell:
                 torch._C._set_grad_enabled(grad)
             try:
                 with flags:
-                    return self._forward(value, boundaries)
+                    return self._forward(value, boundaries, skips)
             finally:
                 if previous != grad:
                     torch._C._set_grad_enabled(previous)
@@ -143,12 +148,22 @@ class Cell:
                 randomness = stack.enter_context(
                     TaskRandomness(task_seed(seed, self.index, microbatch))
                 )
-            output = self._forward(value, boundaries)
+            output = self._forward(value, boundaries, skips)
         if randomness is not None:
             self.random[training] = randomness.used
         return output
 
-    def _forward(self, value: Value, boundaries: list[Boundary] | None) -> Value:
+    def _forward(
+        self, value: Value, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
+    ) -> Value:
+        if skips is None:
+            return self._layers(value, boundaries, None)
+        with use_skip_tracker(skips):
+            return self._layers(value, boundaries, skips)
+
+    def _layers(
+        self, value: Value, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
+    ) -> Value:
         module = self.module
         if boundaries is None:
             if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
@@ -160,7 +175,16 @@ class Cell:
             inputs = as_tensors(value, "a layer's input")
             output = layer(value)
             outputs = as_tensors(output, f"the output of layer {type(layer).__name__}")
-            boundaries.append((inputs, outputs))
+            if skips is not None and skips.cut:
+                popped, stashed = skips.take_layer()
+                boundaries.append((
+                    inputs + tuple(t for _, t in popped),
+                    outputs + tuple(t for _, t in stashed),
+                    tuple(key for key, _ in popped),
+                    tuple(key for key, _ in stashed),
+                ))  # fmt: skip
+            else:
+                boundaries.append((inputs, outputs, (), ()))
             # The next layer starts a graph of its own: a fresh leaf per output.
             value = like([t.detach().requires_grad_(t.requires_grad) for t in outputs], output)
         return value

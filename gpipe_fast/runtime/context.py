@@ -13,6 +13,7 @@ from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.nn.cell import AutocastState
 from gpipe_fast.nn.randomness import draw_step_seed
+from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Transport
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -21,13 +22,15 @@ LossFn = Callable[[Any, Any], Tensor]
 @dataclass(frozen=True)
 class StageServices:
     """What the stages of every step of a pipe use of it: the cells' devices and streams,
-    the recompute pools (None: off) and the data-parallel gradient reduction (None: no
-    dp_group)."""
+    the recompute pools (None: off), the data-parallel gradient reduction (None: no
+    dp_group) and where its skip connections are stashed and popped (None: no skippable
+    layer)."""
 
     devices: Sequence[torch.device]
     streams: CellStreams
     recompute_memory: RecomputeMemory | None = None
     reduce_gradients: Callable[[int], None] | None = None
+    skips: SkipLayout | None = None
 
 
 class StepContext:
@@ -60,9 +63,12 @@ class StepContext:
         # Whether the input of stage k can need a gradient: something before it learns.
         upstream = any(input_needs_grad)
         self.needs_input_grad = []
+        # Whether what stage k computes (its output, its skips) can need a gradient.
+        self.computes_grad = []
         for stage_learns in learns:
             self.needs_input_grad.append(upstream)
             upstream = upstream or (track and stage_learns)
+            self.computes_grad.append(upstream)
         self.input_grads: list[Any] = [None] * count
         # Filled by train_step: the loss function, targets per micro-batch, their weights.
         self.loss_fn: LossFn | None = None

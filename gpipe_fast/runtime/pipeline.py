@@ -54,6 +54,7 @@ from gpipe_fast.runtime.runner import Runner
 from gpipe_fast.runtime.step import Step
 from gpipe_fast.schedule.cache import ScheduleCache
 from gpipe_fast.schedule.registry import schedule_kind
+from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Transport
 
 # pipe(x) with gradients cannot serve a pipe of several processes: loss.backward() on one rank
@@ -96,6 +97,7 @@ class Pipeline:
         layout: ProcessLayout | None = None,
         timeout_s: float = 300.0,
         tied: TiedGradients | None = None,
+        skips: SkipLayout | None = None,
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
         self.tied = tied
@@ -150,6 +152,7 @@ class Pipeline:
             self.streams,
             self.recompute_memory,
             self.reduce_gradients if reduce_grad else None,
+            skips,
         )
         self.cross = (
             CrossProcess(self.layout, self.groups, tied, self.task_failed)

@@ -12,7 +12,8 @@ from torch import Tensor
 from gpipe_fast.nn.cell import Boundary, Cell
 from gpipe_fast.nn.microbatch import Value, as_tensors, like
 from gpipe_fast.runtime.context import StepContext
-from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
+from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey
+from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
 
 
 def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -57,6 +58,18 @@ def _aligned(
     return tuple(by_id.get(id(t)) for t in tensors)
 
 
+def _grad_of(tensor: Tensor | None) -> Tensor | None:
+    """The gradient accumulated on a leaf, None when it has none or needs none."""
+    return tensor.grad if tensor is not None and tensor.requires_grad else None
+
+
+def _with_graph(roots: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """The roots with a graph behind them, and their gradients: a leaf root (a stashed
+    input of a layer) leads to no weight."""
+    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if r.grad_fn is not None]
+    return [r for r, _ in pairs], [g for _, g in pairs]
+
+
 def _scalar_loss(value: object) -> Tensor:
     """What loss_fn returned, which must be the scalar loss of its micro-batch."""
     if not isinstance(value, Tensor) or value.dim() != 0:
@@ -91,6 +104,25 @@ class Stage:
         self.weight_roots: list[list[tuple[list[Tensor], list[Tensor]]] | None] = [None] * count
         # Set while receiving, so that an error there is named as the boundary copy.
         self.copying = False
+        # Skip connections from (sends) and into (receives) this stage: (key, the other
+        # stage); per micro-batch the leaves received (skips_in, until backward) and the
+        # stashed tensors with their graph (skips_out, until backward; whole-stage backward
+        # only, the split one keeps them in its boundaries).
+        layout = step.services.skips
+        self.skips = layout
+        self.has_skips = layout is not None and any(
+            self.index in (route.stash_cell, route.pop_cell) for route in layout.routes
+        )
+        self.sends: list[tuple[SkipKey, int]] = []
+        self.receives: list[tuple[SkipKey, int]] = []
+        if layout is not None:
+            for route in layout.crossing():
+                if route.stash_cell == self.index:
+                    self.sends.append((route.key, route.pop_cell))
+                elif route.pop_cell == self.index:
+                    self.receives.append((route.key, route.stash_cell))
+        self.skips_in: list[dict[SkipKey, Tensor | None] | None] = [None] * count
+        self.skips_out: list[dict[SkipKey, Tensor | None] | None] = [None] * count
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -106,10 +138,18 @@ class Stage:
         checkpointing = step.track and step.checkpointed[k][m]
         keep_graph = step.track and not checkpointing
         boundaries: list[Boundary] | None = [] if step.split and keep_graph else None
+        tracker = self._receive_skips(m, cut=boundaries is not None) if self.has_skips else None
         output = self._run(
-            value, m, grad=keep_graph, checkpointing=checkpointing, boundaries=boundaries
+            value,
+            m,
+            grad=keep_graph,
+            checkpointing=checkpointing,
+            boundaries=boundaries,
+            skips=tracker,
         )
         as_tensors(output, f"the output of stage {k}")
+        if tracker is not None:
+            self._send_skips(m, tracker, keep=keep_graph and boundaries is None)
         if step.track:
             self.inputs[m] = value
         if boundaries is not None:
@@ -122,10 +162,27 @@ class Stage:
     def recompute(self, m: int) -> None:
         boundaries: list[Boundary] | None = [] if self.step.split else None
         memory = self.step.services.recompute_memory
+        tracker = None
+        if self.has_skips:  # the skips received in forward, popped again
+            tracker = CellSkipTracker(
+                self.skips,  # type: ignore[arg-type]
+                self.index,
+                self.skips_in[m],
+                cut=boundaries is not None,
+            )
         with nullcontext() if memory is None else memory.use(self.index):
             output = self._run(
-                self.inputs[m], m, grad=True, recomputing=True, boundaries=boundaries
+                self.inputs[m],
+                m,
+                grad=True,
+                recomputing=True,
+                boundaries=boundaries,
+                skips=tracker,
             )
+        if tracker is not None and boundaries is None and self.sends:
+            # The stashes re-made with their graph: backward starts from them, not from
+            # forward's (computed without one); they are not sent again.
+            self.skips_out[m] = tracker.outgoing
         if boundaries is not None:
             self.boundaries[m] = boundaries
         else:
@@ -191,6 +248,14 @@ class Stage:
             if output.requires_grad and grad is not None:
                 roots.append(output)
                 root_grads.append(grad)
+        if self.sends:  # the stashed skips' gradients, from the stages that popped them
+            stashed = self.skips_out[m] or {}
+            for key, _ in self.sends:
+                grad = self._recv_skip(GRADIENT, m, key)
+                tensor = stashed.get(key)
+                if grad is not None and isinstance(tensor, Tensor) and tensor.requires_grad:
+                    roots.append(tensor)
+                    root_grads.append(grad)
         if roots:
             if self.cell.stream is None and torch.is_grad_enabled():
                 run_backward(roots, root_grads)  # the common CPU case: no context to enter
@@ -198,6 +263,9 @@ class Stage:
                 with self.cell.streams.on(self.index), torch.enable_grad():
                     run_backward(roots, root_grads)
         inputs = as_tensors(self.inputs[m], "input")
+        if self.receives:
+            received = self.skips_in[m] or {}
+            self._send_skip_grads(m, {key: _grad_of(received.get(key)) for key, _ in self.receives})
         self._pass_back(m, tuple(t.grad if t.requires_grad else None for t in inputs))
 
     def backward_input(self, m: int) -> None:
@@ -209,9 +277,16 @@ class Stage:
         self.boundaries[m] = None
         learning = self.cell.layer_parameters()
         weight_roots = []
+        # Skip gradients by key: those of this stage's stashes (from the stages that popped
+        # them), then those of pops inside the stage, found layer by layer going back.
+        skip_grads: dict[SkipKey, Any] = {
+            key: self._recv_skip(GRADIENT, m, key) for key, _ in self.sends
+        }
         with self.cell.streams.on(self.index), torch.enable_grad():
             for i in reversed(range(len(boundaries))):
-                inputs, outputs = boundaries[i]
+                inputs, outputs, popped, stashed = boundaries[i]
+                if stashed:
+                    grads = (*grads, *(skip_grads.pop(key, None) for key in stashed))
                 pairs = [
                     (o, g)
                     for o, g in zip(outputs, grads, strict=True)
@@ -219,14 +294,22 @@ class Stage:
                 ]
                 roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
                 if roots and learning[i]:
-                    weight_roots.append((roots, root_grads))
+                    with_graph = _with_graph(roots, root_grads)
+                    if with_graph[0]:
+                        weight_roots.append(with_graph)
                 wanted = [t for t in inputs if t.requires_grad]
                 if roots and wanted:
                     got = run_grad(roots, root_grads, wanted, bool(learning[i]))
                     grads = _aligned(inputs, wanted, got)
                 else:
                     grads = (None,) * len(inputs)
+                if popped:
+                    first = len(inputs) - len(popped)
+                    skip_grads.update(zip(popped, grads[first:], strict=True))
+                    grads = grads[:first]
         self.weight_roots[m] = weight_roots
+        if self.receives:
+            self._send_skip_grads(m, {key: skip_grads.get(key) for key, _ in self.receives})
         self._pass_back(m, grads)
 
     def backward_weight(self, m: int) -> None:
@@ -274,6 +357,44 @@ class Stage:
         self.copying = False
         return tuple(grads) if isinstance(grads, tuple) else (grads,)
 
+    def _receive_skips(self, m: int, *, cut: bool) -> CellSkipTracker:
+        """The tracker of micro-batch m's forward, holding the skips sent from earlier
+        stages as leaves (which require a gradient when the stashing stage computes one)."""
+        step = self.step
+        received: dict[SkipKey, Tensor | None] = {}
+        for key, source in self.receives:
+            tensor = self._recv_skip(ACTIVATION, m, key)
+            if tensor is not None:
+                needs = step.computes_grad[source] and tensor.is_floating_point()
+                tensor.requires_grad_(needs)
+            received[key] = tensor
+        if step.track and self.receives:
+            self.skips_in[m] = received  # for recompute and backward
+        return CellSkipTracker(self.skips, self.index, received, cut=cut)  # type: ignore[arg-type]
+
+    def _send_skips(self, m: int, tracker: CellSkipTracker, *, keep: bool) -> None:
+        """Sends what the forward stashed for later stages straight to them; `keep`: with
+        its graph, for this stage's backward."""
+        transport = self.step.transport
+        for key, receiver in self.sends:
+            transport.send_skip(ACTIVATION, self.index, receiver, m, key, tracker.outgoing.get(key))
+        if keep and self.sends:
+            self.skips_out[m] = tracker.outgoing
+
+    def _recv_skip(self, flow: Flow, m: int, key: SkipKey) -> Tensor | None:
+        self.copying = True
+        tensor = self.step.transport.recv_skip(flow, self.index, m, key)
+        self.copying = False
+        return tensor
+
+    def _send_skip_grads(self, m: int, grads: dict[SkipKey, Any]) -> None:
+        """The gradients of the skips this stage popped, to the stages that stashed them
+        (None where there is none); the received leaves go."""
+        transport = self.step.transport
+        for key, source in self.receives:
+            transport.send_skip(GRADIENT, self.index, source, m, key, grads.get(key))
+        self.skips_in[m] = None
+
     def _pass_back(self, m: int, grads: tuple[Any, ...]) -> None:
         """Hands the input's gradient to the stage before, or to the step (stage 0); the
         micro-batch's buffers go."""
@@ -282,3 +403,4 @@ class Stage:
         else:
             self.step.input_grads[m] = grads
         self.inputs[m] = self.outputs[m] = None
+        self.skips_in[m] = self.skips_out[m] = None

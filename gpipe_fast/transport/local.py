@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ class LocalTransport:
         self.devices = devices
         # (flow, receiving stage, micro-batch) -> (payload, read in place)
         self.mailbox: dict[tuple[Flow, int, int], tuple[Payload, bool]] = {}
+        # Skip connections: (flow, receiving stage, micro-batch, key) -> value, from send_skip
+        # until its recv_skip (the pop's forward, the stash's backward) takes it.
+        self.skips: dict[tuple[Flow, int, int, Hashable], Tensor | None] = {}
 
     def send(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
         receiver = stage + 1 if flow == ACTIVATION else stage - 1
@@ -39,6 +42,25 @@ class LocalTransport:
             for t in payload
         )
 
+    def send_skip(
+        self,
+        flow: Flow,
+        stage: int,
+        receiver: int,
+        microbatch: int,
+        key: Hashable,
+        tensor: Tensor | None,
+    ) -> None:
+        self.skips[(flow, receiver, microbatch, key)] = tensor
+
+    def recv_skip(self, flow: Flow, stage: int, microbatch: int, key: Hashable) -> Tensor | None:
+        tensor = self.skips.pop((flow, stage, microbatch, key))
+        if tensor is None:
+            return None
+        # As a boundary tensor: handed over between CPU cells, copied on the receiving
+        # cell's copy stream between CUDA cells.
+        return self.streams.receive(tensor.detach(), self.devices[stage], stage)
+
     # In one process a value is in the mailbox as soon as it is sent: the communication
     # tasks and their bookkeeping have nothing to do.
     def post(self, flow: Flow, stage: int, microbatch: int) -> None:
@@ -55,4 +77,4 @@ class LocalTransport:
 
     def pending(self) -> int:
         """Values sent and not received (0 after a complete step)."""
-        return len(self.mailbox)
+        return len(self.mailbox) + len(self.skips)

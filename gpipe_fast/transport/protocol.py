@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import Literal, Protocol
 
 from torch import Tensor
@@ -33,6 +33,23 @@ class Transport(Protocol):
         """What `stage` receives for `microbatch`, in the structure it was sent, on its
         device and ready for its stream (detached: the stage decides what requires a
         gradient)."""
+
+    def send_skip(
+        self,
+        flow: Flow,
+        stage: int,
+        receiver: int,
+        microbatch: int,
+        key: Hashable,
+        tensor: Tensor | None,
+    ) -> None:
+        """A skip connection's value (flow ACTIVATION: from its stashing stage to its popping
+        stage `receiver`) or its gradient (GRADIENT: back from the popping stage to the
+        stashing one), for `microbatch`, named by `key` (the skip's (namespace, name)); it
+        goes straight to `receiver`, past the stages in between."""
+
+    def recv_skip(self, flow: Flow, stage: int, microbatch: int, key: Hashable) -> Tensor | None:
+        """What send_skip sent `stage` for `microbatch` and `key`, on its device, detached."""
 
     def post(self, flow: Flow, stage: int, microbatch: int) -> None:
         """The send task: puts on its way what `stage` sent to a neighbour elsewhere."""
