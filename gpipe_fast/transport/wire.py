@@ -1,5 +1,4 @@
-"""What travels ahead of a boundary value between processes: its structure, dtypes and shapes,
-and, when they are small, its tensors too."""
+"""The header of a boundary value between processes, and small tensors carried inside it."""
 
 from __future__ import annotations
 
