@@ -26,12 +26,11 @@ import gpipe_fast
 SRC = os.environ.get("TORCHGPIPE_SRC")
 pytestmark = pytest.mark.skipif(not SRC, reason="TORCHGPIPE_SRC is not set")
 
-NOT_WIRED = "skips across cells of a pipe: runtime not yet wired"
-PASS, XFAIL, OUT = "pass", "xfail", "out of scope"
+PASS, OUT = "pass", "out of scope"
 
 
 class Expect(NamedTuple):
-    kind: str  # PASS, XFAIL (a pipe test awaiting the runtime) or OUT (tests internals)
+    kind: str  # PASS, or OUT (tests torchgpipe's internals)
     reason: str = ""
 
 
@@ -62,10 +61,9 @@ EXPECTED: dict[str, Expect] = {
     "test_inspect_skip_layout.py::test_far_partitions": Expect(PASS),
     "test_inspect_skip_layout.py::test_pop_2_from_different_partitions": Expect(PASS),
     "test_inspect_skip_layout.py::test_namespace": Expect(PASS),
-    # Cells on 2 or more CUDA devices (skipped where there are fewer): across cells.
-    # Its one-device case, balance [3], keeps the skip inside one cell (see below).
-    "test_gpipe.py::test_1to3": Expect(XFAIL, NOT_WIRED + " (and needs CUDA)"),
-    "test_gpipe.py::test_none_skip": Expect(XFAIL, NOT_WIRED),
+    # Cells on CUDA devices (skipped where there are fewer than its balance needs).
+    "test_gpipe.py::test_1to3": Expect(PASS),
+    "test_gpipe.py::test_none_skip": Expect(PASS),
     "test_leak.py::test_delete_portal_tensor": Expect(
         OUT,
         "reads torchgpipe's portals (tracker.portals, portal.tensor_life), its autograd "
@@ -100,7 +98,6 @@ PortalBlue = PortalCopy = PortalOrange = _NoPortal
 """
 
 # The one-device parametrization of test_1to3 keeps the skip inside one cell.
-ONE_CELL = re.compile(r"test_gpipe\.py::test_1to3\[.*-3\]$")
 
 
 def _rewrite(name: str, text: str) -> str:
@@ -182,26 +179,12 @@ def test_every_torchgpipe_test_is_accounted_for(results: Results) -> None:
 def test_passes(results: Results, function: str) -> None:
     ids = [t for t in results.outcomes if _function(t) == function]
     assert ids
-    for test_id in ids:
+    ran = [t for t in ids if results.outcomes[t][0] != "skipped"]  # test_1to3 needs CUDA
+    if not ran:
+        pytest.skip(f"every case of {function} was skipped here (needs CUDA devices)")
+    for test_id in ran:
         outcome, message = results.outcomes[test_id]
         assert outcome == "passed", f"{test_id}: {outcome}: {message}"
-
-
-@pytest.mark.parametrize("function", sorted(f for f, e in EXPECTED.items() if e.kind == XFAIL))
-def test_awaits_the_pipe_runtime(results: Results, function: str) -> None:
-    failed = []
-    for test_id, (outcome, message) in results.outcomes.items():
-        if _function(test_id) != function or outcome == "skipped":
-            continue
-        if ONE_CELL.search(test_id):  # the skip stays in one cell: works today
-            assert outcome == "passed", f"{test_id}: {outcome}: {message}"
-        elif outcome == "passed":
-            pytest.fail(f"{test_id} passes now: list it as expected to pass")
-        else:
-            failed.append(f"{test_id}: {message}")
-    if failed:
-        pytest.xfail(f"{EXPECTED[function].reason}: {failed}")
-    pytest.skip("every parametrization skipped here (needs CUDA devices)")
 
 
 @pytest.mark.parametrize("function", sorted(f for f, e in EXPECTED.items() if e.kind == OUT))
