@@ -74,7 +74,8 @@ def test_api_reference_covers_every_public_name() -> None:
     assert not missing, f"docs/reference.md lacks {missing}"
 
 
-@pytest.mark.parametrize("cited", ["DESIGN.md", "../shared"])
+# Spelled in two parts, so that this file is not itself a citation of them.
+@pytest.mark.parametrize("cited", ["DESIGN" + ".md", ".." + "/shared"])
 def test_nothing_cites_files_users_do_not_have(cited: str) -> None:
     files = [README, *DOCS.glob("*.md"), *(ROOT / "gpipe_fast").rglob("*.py")]
     offending = [str(f.relative_to(ROOT)) for f in files if cited in f.read_text("utf-8")]
