@@ -117,3 +117,22 @@ def test_demo_bubble_line_is_consistent(demo: tuple[Path, str]) -> None:
     assert 0 <= measured < 100 and 0 <= simulated < 100
     assert measured == pytest.approx(idle + handoffs, abs=0.15)
     assert ideal == 20.0  # (K-1)/(M+K-1) = 1/5
+
+
+def test_demo_trains_the_unet_whose_skips_cross_cells(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "gpipe_fast", "demo", "--model", "unet", "--steps", "6",
+               "--batch", "16", "--chunks", "4", "--lr", "3e-3", "--out", "out"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr  # 0: the pipe's loss fell
+    assert "K=2 cells" in _line(result.stdout, "gpipe_fast demo:")
+    # Each cell timed alone, the decoder cell with the skips the encoder cell stashed for it.
+    assert _line(result.stdout, "bubble:").startswith("bubble: measured")
+    assert (tmp_path / "out" / "timeline.trace.json").exists()
+
+
+def test_demo_refuses_the_unet_across_processes() -> None:
+    command = [sys.executable, "-m", "gpipe_fast", "demo", "--model", "unet", "--processes", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2  # argparse's usage error, before any process starts
+    assert "skips between processes are not carried" in result.stderr

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,7 @@ from gpipe_fast import _C
 from gpipe_fast.nn.microbatch import scatter
 from gpipe_fast.runtime.timeline import Kind
 from gpipe_fast.schedule.registry import actions
+from gpipe_fast.skip import CellSkipTracker, SkipLayout, inspect_skip_layout, use_skip_tracker
 
 
 @dataclass(frozen=True)
@@ -139,18 +141,38 @@ def median_costs(runs: Sequence[AloneCosts]) -> AloneCosts:
     )
 
 
+class _WithSkips(nn.Module):
+    """A cell run alone with the skips that earlier cells stashed for it (a fresh tracker per
+    call, so every run pops them again); what it stashes for later cells is dropped."""
+
+    def __init__(self, cell: nn.Module, layout: SkipLayout, k: int, received: dict[Any, Any]):
+        super().__init__()
+        self.cell, self.layout, self.k, self.received = cell, layout, k, received
+
+    def forward(self, x: Tensor) -> Tensor:
+        with use_skip_tracker(CellSkipTracker(self.layout, self.k, self.received)):
+            return self.cell(x)  # type: ignore[no-any-return]
+
+
 def time_cells_alone(pipe: gf.GPipe, batch: Tensor, repeats: int = 5) -> list[AloneCosts]:
-    """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input made by
-    the cells before it), with the pipe's threads per cell. Leaves the cells' .grad zeroed."""
+    """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input, and the
+    skips it pops, made by the cells before it), with the pipe's threads per cell. Leaves
+    the cells' .grad zeroed."""
     sample = scatter(batch, pipe.chunks)[0]
     assert isinstance(sample, Tensor)
+    layout = inspect_skip_layout([cast(nn.Sequential, cell) for cell in pipe.partitions])
+    stashed: dict[Any, Any] = {}  # the skips cells stashed for later ones, by key
     costs = []
     for k, cell in enumerate(pipe.partitions):
         sample = sample.to(pipe.devices[k])
+        received = {key: stashed[key] for key in layout.receives(k)}
+        timed = _WithSkips(cell, layout, k, received)
         # A cell's input needs a gradient when a cell before it learns (as in the pipe).
-        costs.append(time_cell_alone(cell, sample, k > 0, pipe.threads_per_cell, repeats))
-        with torch.no_grad():
+        costs.append(time_cell_alone(timed, sample, k > 0, pipe.threads_per_cell, repeats))
+        tracker = CellSkipTracker(layout, k, received)
+        with torch.no_grad(), use_skip_tracker(tracker):
             sample = cell(sample)
+        stashed.update(tracker.outgoing)
     pipe.zero_grad(set_to_none=True)
     return costs
 
