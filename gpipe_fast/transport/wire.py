@@ -82,8 +82,9 @@ def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
 
 
 def is_inline(header: Tensor) -> bool:
-    """Whether the message of `header` carried its tensors (see `inline`)."""
-    return int(header[0].item()) == MAGIC_INLINE
+    """Whether the message of `header` carried its tensors (see `inline`). A message with no
+    room after its header never does: it is not read, so a CUDA header costs no sync."""
+    return header.numel() > HEADER_LENGTH and int(header[0].item()) == MAGIC_INLINE
 
 
 Entry = tuple[torch.dtype, tuple[int, ...]] | None  # a tensor's dtype and shape, or None
@@ -99,7 +100,7 @@ def inline(header: Tensor, entries: Sequence[Entry]) -> list[Tensor | None]:
             out.append(None)
             continue
         dtype, shape = entry
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         out.append(room[at : at + nbytes].view(dtype).view(shape))
         at += _aligned(nbytes)
     return out
