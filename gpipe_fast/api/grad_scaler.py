@@ -57,7 +57,8 @@ class GradScaler(torch.amp.GradScaler):
             verdict += flag.to(device)
         if groups is not None:
             groups.reduce_over_all(verdict, "max")
+        verdict.clamp_(max=1.0)  # a flag, however many devices found one
         for flag in found.values():
-            flag.copy_(verdict.clamp(max=1.0))
+            flag.copy_(verdict)
         if not found:  # no gradient on this rank: it follows the others' verdict
-            found[self._scale.device] = verdict.clamp(max=1.0).to(self._scale.device)
+            found[self._scale.device] = verdict.to(self._scale.device)

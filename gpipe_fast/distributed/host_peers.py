@@ -14,7 +14,7 @@ def processes_on_this_host() -> int:
     all-gather of a number per rank; every rank must call it, as every rank builds its pipe).
     LOCAL_WORLD_SIZE is not trusted: only torchrun sets it."""
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
-    mine = torch.tensor([int.from_bytes(digest, "big")], dtype=torch.int64)
-    hosts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(hosts, mine)
-    return sum(int(h.item()) == int(mine.item()) for h in hosts)
+    mine = int.from_bytes(digest, "big")
+    hosts = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(hosts, torch.tensor([mine], dtype=torch.int64))
+    return sum(int(h.item()) == mine for h in hosts)

@@ -55,19 +55,20 @@ class ProcessGroups:
 
     def reduce_over_pipeline(self, value: Tensor, op: str) -> None:
         """`value` summed ("sum") or maximised ("max") over the pipeline group, in place."""
-        self._reduce(value, op, [self.layout.pp_group] if self.layout.multi_process else [])
+        if self.layout.multi_process:
+            self._reduce(value, op, self.layout.pp_group)
 
     def reduce_over_all(self, value: Tensor, op: str) -> None:
         """`value` summed or maximised over every rank of the pipe: the pipeline group, then
         the data-parallel replicas, in place."""
-        groups = [self.layout.pp_group] if self.layout.multi_process else []
-        self._reduce(value, op, groups + [g for g in [self.layout.dp_group] if g is not None])
+        self.reduce_over_pipeline(value, op)
+        if self.layout.dp_group is not None:
+            self._reduce(value, op, self.layout.dp_group)
 
-    def _reduce(self, value: Tensor, op: str, groups: list[Any]) -> None:
+    def _reduce(self, value: Tensor, op: str, group: Any) -> None:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        for group in groups:
-            request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
-            self.guard.wait(request, "a value every rank agrees on")
+        request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
+        self.guard.wait(request, "a value every rank agrees on")
 
     def batch(self, local: int | None) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
