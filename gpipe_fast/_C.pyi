@@ -106,6 +106,7 @@ def rank_schedule(
     worker_ranks: Sequence[int],
     reduce_grad: bool,
     rank: int,
+    skips: Sequence[tuple[int, int]] = ...,
 ) -> Schedule: ...
 def rank_forward_schedule(
     kind: str,
@@ -115,6 +116,7 @@ def rank_forward_schedule(
     loss: bool,
     worker_ranks: Sequence[int],
     rank: int,
+    skips: Sequence[tuple[int, int]] = ...,
 ) -> Schedule: ...
 def lowered_program(
     kind: str,
@@ -124,6 +126,7 @@ def lowered_program(
     checkpoint: str,
     worker_ranks: Sequence[int],
     reduce_grad: bool,
+    skips: Sequence[tuple[int, int]] = ...,
 ) -> tuple[Program, list[int]]: ...
 
 class SimulatedTimeline:

@@ -216,39 +216,45 @@ void bind_schedule(py::module_& m) {
   m.def(
       "rank_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches,
-         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank) {
+         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank,
+         const SkipPairs& skips) {
         return std::make_shared<Schedule>(rank_schedule(kind, stages, workers, microbatches,
                                                         parse_checkpoint(checkpoint),
-                                                        std::move(worker_ranks), reduce_grad, rank));
+                                                        std::move(worker_ranks), reduce_grad, rank,
+                                                        skips));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"), py::arg("rank"),
+      py::arg("skips") = SkipPairs{},
       "Rank `rank`'s schedule of a kind lowered onto ranks (compute worker w on "
       "worker_ranks[w]): its compute workers, then its communication workers (sends, receives, "
-      "gradient reductions). Dry-run first across every rank.");
+      "gradient reductions), and the sends and receives of `skips` ((stash stage, pop stage) "
+      "pairs of skip connections) between ranks. Dry-run first across every rank.");
   m.def(
       "rank_forward_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches, bool loss,
-         std::vector<int> worker_ranks, int rank) {
+         std::vector<int> worker_ranks, int rank, const SkipPairs& skips) {
         return std::make_shared<Schedule>(rank_forward_schedule(
-            kind, stages, workers, microbatches, loss, std::move(worker_ranks), rank));
+            kind, stages, workers, microbatches, loss, std::move(worker_ranks), rank, skips));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
-      py::arg("loss"), py::arg("worker_ranks"), py::arg("rank"),
+      py::arg("loss"), py::arg("worker_ranks"), py::arg("rank"), py::arg("skips") = SkipPairs{},
       "Rank `rank`'s forward-only schedule (see forward_program) lowered onto ranks like "
       "rank_schedule: sends after the forwards, receives on the communication workers, no "
       "gradient and no reduction. Dry-run first across every rank.");
   m.def(
       "lowered_program",
       [](const std::string& kind, int stages, int workers, int microbatches,
-         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad) {
+         const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad,
+         const SkipPairs& skips) {
         const Lowered lowered = lower_schedule(kind, stages, workers, microbatches,
                                                parse_checkpoint(checkpoint),
-                                               std::move(worker_ranks), reduce_grad);
+                                               std::move(worker_ranks), reduce_grad, skips);
         return py::make_tuple(to_python(lowered.program), lowered.worker_rank);
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"),
+      py::arg("skips") = SkipPairs{},
       "Every worker's lowered program and rank: compute workers, then two communication "
       "workers per rank.");
   m.def(

@@ -13,9 +13,12 @@ namespace {
 
 using namespace action;
 
+// A forward also waits for the skips it pops from other processes, where the schedule
+// receives any (an optional need: a stage without such skips has no RecvSkips task).
 std::vector<Need> forward_needs(const TaskKey& t, int, int) {
-  if (t.stage == 0) return {};
-  return {{{{RecvForward, t.stage, t.microbatch}, {Forward, t.stage - 1, t.microbatch}}}};
+  const Need skips{{{RecvSkips, t.stage, t.microbatch}}, false};
+  if (t.stage == 0) return {skips};
+  return {{{{RecvForward, t.stage, t.microbatch}, {Forward, t.stage - 1, t.microbatch}}}, skips};
 }
 
 std::vector<Need> own_forward(const TaskKey& t, int, int) {
@@ -33,7 +36,8 @@ std::vector<Need> backward_needs(const TaskKey& t, int stages, int) {
   } else {
     gradient.any_of = {{RecvBackward, s, m}, {Backward, s + 1, m}, {BackwardInput, s + 1, m}};
   }
-  return {gradient, {{{Forward, s, m}}}, Need{{{Recompute, s, m}}, false}};
+  return {gradient, {{{Forward, s, m}}}, Need{{{Recompute, s, m}}, false},
+          Need{{{RecvSkipGrads, s, m}}, false}};
 }
 
 std::vector<Need> weight_needs(const TaskKey& t, int, int) {
@@ -55,6 +59,10 @@ std::vector<Need> recv_backward_needs(const TaskKey& t, int stages, int) {
   if (t.stage == stages - 1) return {};
   return {Need{{{SendBackward, t.stage + 1, t.microbatch}}, false}};
 }
+
+// A skip receive's senders depend on the model (which stages its skips join): lowering adds
+// them per task (lower.hpp), so the rule itself names none.
+std::vector<Need> no_needs(const TaskKey&, int, int) { return {}; }
 
 // A stage's gradients are reduced once all its micro-batches' weight gradients are in.
 std::vector<Need> reduce_needs(const TaskKey& t, int, int microbatches) {
@@ -86,6 +94,10 @@ Registry& registry() {
                         {"send_backward", send_backward_needs, true, C::None},
                         {"recv_backward", recv_backward_needs, true, C::None},
                         {"reduce_grad", reduce_needs, true, C::None},
+                        {"send_skips", own_forward, true, C::None},
+                        {"recv_skips", no_needs, true, C::None},
+                        {"send_skip_grads", send_backward_needs, true, C::None},
+                        {"recv_skip_grads", no_needs, true, C::None},
                     }};
   return r;
 }

@@ -85,7 +85,7 @@ Checkpoint parse_checkpoint(const std::string& name) {
 }
 
 Schedule link(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
-              std::vector<ActionId> given) {
+              std::vector<ActionId> given, const ExtraNeeds& extra) {
   Schedule schedule(stages, microbatches, std::move(stage_worker),
                     static_cast<int>(program.size()));
   schedule.set_given(std::move(given));
@@ -108,7 +108,11 @@ Schedule link(const Program& program, int stages, int microbatches, std::vector<
   for (int worker = 0; worker < static_cast<int>(program.size()); ++worker) {
     for (const TaskKey& key : program[static_cast<std::size_t>(worker)]) {
       std::vector<int> deps;
-      for (const Need& need : action_info(key.action).needs(key, stages, microbatches)) {
+      std::vector<Need> needs = action_info(key.action).needs(key, stages, microbatches);
+      if (extra) {
+        for (Need& need : extra(key)) needs.push_back(std::move(need));
+      }
+      for (const Need& need : needs) {
         int found = -1;
         for (const TaskKey& option : need.any_of) {
           const auto it = id_of.find(option);

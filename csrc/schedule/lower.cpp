@@ -17,10 +17,32 @@ using namespace action;
 // is. A send and its receive get the same key on their two ranks.
 using CommKey = std::tuple<double, int, int, int>;  // (time, flow, boundary, micro-batch)
 
+// Flows in the order their transfers go when ready at the same time: a stage's activation
+// before its skips (the order of the sends after its forward), likewise for gradients.
+enum Flow { ActivationFlow, SkipFlow, GradientFlow, SkipGradientFlow, ReduceFlow };
+
+// The lowered receives' needs on other ranks' sends that no action rule can name: a skip
+// receive waits for the sends of the stages its skips come from (optional needs, so that one
+// rank's own schedule, which holds no such send, drops them).
+ExtraNeeds skip_matches(const SkipPairs& skips) {
+  if (skips.empty()) return nullptr;
+  return [skips](const TaskKey& task) {
+    std::vector<Need> needs;
+    for (const auto& [stash, pop] : skips) {
+      if (task.action == RecvSkips && task.stage == pop) {
+        needs.push_back(Need{{{SendSkips, stash, task.microbatch}}, false});
+      } else if (task.action == RecvSkipGrads && task.stage == stash) {
+        needs.push_back(Need{{{SendSkipGrads, pop, task.microbatch}}, false});
+      }
+    }
+    return needs;
+  };
+}
+
 }  // namespace
 
 Lowered lower(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
-              std::vector<int> worker_rank, bool reduce_grad) {
+              std::vector<int> worker_rank, bool reduce_grad, const SkipPairs& skips) {
   const Schedule plain = link(program, stages, microbatches, stage_worker);
   plain.validate();
   const int compute = plain.workers();
@@ -36,6 +58,21 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
   auto rank_of_stage = [&](int s) {
     return worker_rank[static_cast<std::size_t>(plain.worker_of(s))];
   };
+  // The skips' pairs whose stages sit on two ranks: per stage, the stages at their other end.
+  SkipPairs remote;
+  std::map<int, std::vector<int>> pops_elsewhere;     // stash stage -> pop stages
+  std::map<int, std::vector<int>> stashes_elsewhere;  // pop stage -> stash stages
+  for (const auto& [stash, pop] : skips) {
+    GF_EXPECTS(stash >= 0 && pop < stages && stash < pop,
+               "a skip joins a stash stage to a later pop stage in [0, " +
+                   std::to_string(stages) + "), got (" + std::to_string(stash) + ", " +
+                   std::to_string(pop) + ")");
+    if (rank_of_stage(stash) == rank_of_stage(pop)) continue;
+    if (std::find(remote.begin(), remote.end(), std::make_pair(stash, pop)) != remote.end()) continue;
+    remote.emplace_back(stash, pop);
+    pops_elsewhere[stash].push_back(pop);
+    stashes_elsewhere[pop].push_back(stash);
+  }
 
   const SimulatedTimeline timeline = simulate(plain, equal_stage_costs(plain));
 
@@ -43,37 +80,62 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
   // on its compute worker (a send is posted, never waited for, so it never stalls compute
   // and never waits behind a receive).
   std::vector<std::vector<std::pair<CommKey, TaskKey>>> comm(static_cast<std::size_t>(ranks));
-  std::map<std::pair<int, int>, TaskKey> send_after;  // (worker, position) -> its send
+  std::map<std::pair<int, int>, std::vector<TaskKey>> send_after;  // (worker, position) -> its sends
   std::map<int, double> last_gradient;  // stage -> when its last gradient task ends
   std::vector<int> position(plain.tasks().size(), 0);  // in its worker's order
   for (int w = 0; w < compute; ++w) {
     const auto& order = plain.order(w);
     for (std::size_t i = 0; i < order.size(); ++i) position[static_cast<std::size_t>(order[i])] = static_cast<int>(i);
   }
+  // A skip receive is ready when the last of its senders' data is: (stage, m) -> time.
+  std::map<std::pair<int, int>, double> skips_ready;
+  std::map<std::pair<int, int>, double> skip_grads_ready;
   for (std::size_t id = 0; id < plain.tasks().size(); ++id) {
     const Task& task = plain.tasks()[id];
     const double at = timeline.end[id];
     const int s = task.stage;
     const int m = task.microbatch;
     const int here = rank_of_stage(s);
-    const std::pair<int, int> after{task.worker, position[id]};
+    auto& sends = send_after[{task.worker, position[id]}];
     if (task.action == Forward && s + 1 < stages && rank_of_stage(s + 1) != here) {
-      send_after[after] = {SendForward, s, m};
-      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({CommKey{at, 0, s, m}, {RecvForward, s + 1, m}});
+      sends.push_back({SendForward, s, m});
+      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({CommKey{at, ActivationFlow, s, m}, {RecvForward, s + 1, m}});
+    }
+    if (task.action == Forward && pops_elsewhere.count(s) != 0) {
+      sends.push_back({SendSkips, s, m});
+      for (int pop : pops_elsewhere[s]) {
+        double& ready = skips_ready[{pop, m}];
+        ready = std::max(ready, at);
+      }
     }
     const bool gradient = task.action == Backward || task.action == BackwardInput;
     if (gradient && s > 0 && rank_of_stage(s - 1) != here) {
-      send_after[after] = {SendBackward, s, m};
-      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({CommKey{at, 1, s - 1, m}, {RecvBackward, s - 1, m}});
+      sends.push_back({SendBackward, s, m});
+      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({CommKey{at, GradientFlow, s - 1, m}, {RecvBackward, s - 1, m}});
+    }
+    if (gradient && stashes_elsewhere.count(s) != 0) {
+      sends.push_back({SendSkipGrads, s, m});
+      for (int stash : stashes_elsewhere[s]) {
+        double& ready = skip_grads_ready[{stash, m}];
+        ready = std::max(ready, at);
+      }
     }
     if (gradient || task.action == BackwardWeight) {
       double& last = last_gradient[s];
       last = std::max(last, at);
     }
   }
+  for (const auto& [key, at] : skips_ready) {
+    const auto [s, m] = key;
+    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipFlow, s, m}, {RecvSkips, s, m}});
+  }
+  for (const auto& [key, at] : skip_grads_ready) {
+    const auto [s, m] = key;
+    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipGradientFlow, s, m}, {RecvSkipGrads, s, m}});
+  }
   if (reduce_grad) {
     for (const auto& [s, at] : last_gradient) {
-      comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, 2, s, 0}, {ReduceGrad, s, 0}});
+      comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, ReduceFlow, s, 0}, {ReduceGrad, s, 0}});
     }
   }
 
@@ -83,13 +145,14 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     const auto& order = program[static_cast<std::size_t>(worker)];
     for (std::size_t i = 0; i < order.size(); ++i) {
       out.push_back(order[i]);
-      const auto send = send_after.find({worker, static_cast<int>(i)});
-      if (send != send_after.end()) out.push_back(send->second);
+      const auto sends = send_after.find({worker, static_cast<int>(i)});
+      if (sends != send_after.end()) out.insert(out.end(), sends->second.begin(), sends->second.end());
     }
   }
   lowered.compute_workers = compute;
   lowered.stage_worker = plain.stage_workers();
   lowered.worker_rank = worker_rank;
+  lowered.skips = remote;
   for (int rank = 0; rank < ranks; ++rank) {
     auto& tasks = comm[static_cast<std::size_t>(rank)];
     std::stable_sort(tasks.begin(), tasks.end(),
@@ -99,7 +162,8 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     std::vector<TaskKey> activations;
     std::vector<TaskKey> gradients;
     for (const auto& [key, task] : tasks) {
-      (task.action == RecvForward ? activations : gradients).push_back(task);
+      const bool forward = task.action == RecvForward || task.action == RecvSkips;
+      (forward ? activations : gradients).push_back(task);
     }
     lowered.program.push_back(std::move(activations));
     lowered.program.push_back(std::move(gradients));
@@ -109,7 +173,8 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
 }
 
 Schedule link_all(const Lowered& lowered, int stages, int microbatches) {
-  return link(lowered.program, stages, microbatches, lowered.stage_worker);
+  return link(lowered.program, stages, microbatches, lowered.stage_worker, {},
+              skip_matches(lowered.skips));
 }
 
 Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int rank) {
@@ -132,14 +197,15 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
   }
   std::vector<int> stage_worker;
   for (int s = 0; s < stages; ++s) stage_worker.push_back(local[static_cast<std::size_t>(lowered.stage_worker[static_cast<std::size_t>(s)])]);
-  return link(program, stages, microbatches, std::move(stage_worker));
+  return link(program, stages, microbatches, std::move(stage_worker), {},
+              skip_matches(lowered.skips));
 }
 
 Schedule rank_schedule(const Program& program, int stages, int microbatches,
                        std::vector<int> stage_worker, std::vector<int> worker_rank,
-                       bool reduce_grad, int rank) {
+                       bool reduce_grad, int rank, const SkipPairs& skips) {
   const Lowered lowered = lower(program, stages, microbatches, std::move(stage_worker),
-                                std::move(worker_rank), reduce_grad);
+                                std::move(worker_rank), reduce_grad, skips);
   link_all(lowered, stages, microbatches).validate();  // every rank at once: no deadlock
   Schedule schedule = link_rank(lowered, stages, microbatches, rank);
   schedule.validate();
@@ -147,26 +213,27 @@ Schedule rank_schedule(const Program& program, int stages, int microbatches,
 }
 
 Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
-                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad) {
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
+                       const SkipPairs& skips) {
   return lower(make_program(kind, stages, workers, microbatches, checkpoint), stages,
                microbatches, placement(kind, stages, workers), std::move(worker_rank),
-               reduce_grad);
+               reduce_grad, skips);
 }
 
 Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       int rank) {
+                       int rank, const SkipPairs& skips) {
   return rank_schedule(make_program(kind, stages, workers, microbatches, checkpoint), stages,
                        microbatches, placement(kind, stages, workers), std::move(worker_rank),
-                       reduce_grad, rank);
+                       reduce_grad, rank, skips);
 }
 
 Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
                                int microbatches, bool loss, std::vector<int> worker_rank,
-                               int rank) {
+                               int rank, const SkipPairs& skips) {
   return rank_schedule(forward_only_program(kind, stages, workers, microbatches, loss), stages,
                        microbatches, placement(kind, stages, workers), std::move(worker_rank),
-                       false, rank);
+                       false, rank, skips);
 }
 
 }  // namespace gpipe_fast

@@ -17,7 +17,9 @@ class ScheduleCache:
     With `worker_ranks` (the rank of each compute worker; stages placed by the kind) or
     `reduce_grad`, a training step is lowered onto ranks: this process (`rank`) runs its
     compute workers and one communication worker for the sends, receives and gradient
-    reductions; every rank's program is dry-run together once when the schedule is built."""
+    reductions; every rank's program is dry-run together once when the schedule is built.
+    `skips` are the (stash stage, pop stage) pairs of the model's skip connections: a pair
+    whose stages sit on two ranks gets its own sends and receives."""
 
     def __init__(
         self,
@@ -27,6 +29,7 @@ class ScheduleCache:
         worker_ranks: Sequence[int] | None = None,
         rank: int = 0,
         reduce_grad: bool = False,
+        skips: Sequence[tuple[int, int]] = (),
         capacity: int = 64,
     ) -> None:
         self.stage_workers = list(stage_workers)
@@ -37,6 +40,7 @@ class ScheduleCache:
         self.worker_ranks = list(worker_ranks) if worker_ranks is not None else [0] * self.workers
         self.rank = rank
         self.reduce_grad = reduce_grad
+        self.skips = list(skips)
         self.capacity = capacity
         self._built: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
@@ -57,7 +61,7 @@ class ScheduleCache:
             if self.lowered:
                 schedule = _C.rank_schedule(
                     self.kind, self.stages, self.workers, microbatches, checkpoint,
-                    self.worker_ranks, self.reduce_grad, self.rank,
+                    self.worker_ranks, self.reduce_grad, self.rank, self.skips,
                 )  # fmt: skip
             else:
                 schedule = _C.make_schedule(
@@ -76,7 +80,7 @@ class ScheduleCache:
             if self.lowered:
                 return _C.rank_forward_schedule(
                     self.kind, self.stages, self.workers, microbatches, loss,
-                    self.worker_ranks, self.rank,
+                    self.worker_ranks, self.rank, self.skips,
                 )  # fmt: skip
             return _C.forward_schedule(self.kind, self.stages, self.workers, microbatches, loss)
 

@@ -26,6 +26,12 @@ inline constexpr ActionId RecvForward = 7;     // an activation from the previou
 inline constexpr ActionId SendBackward = 8;    // a gradient to the previous stage's process
 inline constexpr ActionId RecvBackward = 9;    // a gradient from the next stage's process
 inline constexpr ActionId ReduceGrad = 10;     // a stage's gradients averaged over data parallelism
+// Skip connections between processes: each pair of stages a skip joins gets its own message
+// per micro-batch, past the stages in between.
+inline constexpr ActionId SendSkips = 11;      // what a stage stashed, to the popping stages' processes
+inline constexpr ActionId RecvSkips = 12;      // what a stage pops, from the stashing stages' processes
+inline constexpr ActionId SendSkipGrads = 13;  // the popped skips' gradients, back to the stashers
+inline constexpr ActionId RecvSkipGrads = 14;  // the stashed skips' gradients, from the poppers
 }  // namespace action
 
 // One task's identity: what it does, to which stage, on which micro-batch.

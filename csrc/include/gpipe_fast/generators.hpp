@@ -1,6 +1,7 @@
 // Schedule generators: per-worker programs for gpipe, 1f1b, interleaved, zero-bubble and ZB-V steps.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,12 +19,18 @@ enum class Checkpoint { Never, ExceptLast, Always };
 // "never" | "except_last" | "always"; InvalidArgument otherwise.
 Checkpoint parse_checkpoint(const std::string& name);
 
-// A schedule running `program`, with each task's dependencies from its action's rule.
-// Stage s runs on worker stage_worker[s] (empty: one worker per stage; -1: in another
-// process), program[w] runs on worker w and holds only worker w's stages' compute tasks
-// (communication tasks may run on any worker). `given` actions are done before the run.
+// Needs of a task beyond its action's rule, from what the rule cannot know: which stages
+// the model's skip connections join (lowering's matches of a skip receive with its sends).
+using ExtraNeeds = std::function<std::vector<Need>(const TaskKey& task)>;
+
+// A schedule running `program`, with each task's dependencies from its action's rule (and
+// `extra`, when given). Stage s runs on worker stage_worker[s] (empty: one worker per stage;
+// -1: in another process), program[w] runs on worker w and holds only worker w's stages'
+// compute tasks (communication tasks may run on any worker). `given` actions are done
+// before the run.
 Schedule link(const Program& program, int stages, int microbatches,
-              std::vector<int> stage_worker = {}, std::vector<ActionId> given = {});
+              std::vector<int> stage_worker = {}, std::vector<ActionId> given = {},
+              const ExtraNeeds& extra = nullptr);
 
 // One training step of `stages` stages on `microbatches` micro-batches, a Loss task after
 // each forward of the last stage:

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpipe_fast/generators.hpp"
@@ -16,11 +17,21 @@ namespace gpipe_fast {
 // W + 2 rank and W + 2 rank + 1): one receives the activations other ranks send its stages,
 // the other their gradients and (with reduce_grad) sums each stage's gradients over data
 // parallelism once its last backward is done.
+//
+// Skip connections: each (stash stage, pop stage) pair of `skips` whose stages sit on two
+// ranks gets its own messages, past the stages in between. The stashing stage's forward is
+// followed by SendSkips (one message per such pop stage), and the popping stage's forward
+// waits for RecvSkips (one message per such stash stage) on its rank's activation worker;
+// in backward, SendSkipGrads after the popping stage's backward, RecvSkipGrads before the
+// stashing stage's, on the gradient worker. Pairs on one rank go through its memory.
+using SkipPairs = std::vector<std::pair<int, int>>;  // (stash stage, pop stage)
+
 struct Lowered {
   Program program;
   std::vector<int> stage_worker;  // compute worker of each stage
   std::vector<int> worker_rank;   // rank of each worker, communication workers included
   int compute_workers = 0;
+  SkipPairs skips;  // the pairs across ranks: their receives wait for these sends
 };
 
 // `program`: one list per compute worker; stage s on worker stage_worker[s] (empty: one
@@ -31,7 +42,7 @@ struct Lowered {
 // transfers from one rank to another come in the same order on both sides.
 Lowered lower(const Program& program, int stages, int microbatches,
               std::vector<int> stage_worker = {}, std::vector<int> worker_rank = {},
-              bool reduce_grad = false);
+              bool reduce_grad = false, const SkipPairs& skips = {});
 
 // The schedule of every rank at once (for the dry run: a receive waits for its send).
 Schedule link_all(const Lowered& lowered, int stages, int microbatches);
@@ -46,23 +57,24 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
 // the program (a training step, or the forward-only run of an evaluation).
 Schedule rank_schedule(const Program& program, int stages, int microbatches,
                        std::vector<int> stage_worker, std::vector<int> worker_rank,
-                       bool reduce_grad, int rank);
+                       bool reduce_grad, int rank, const SkipPairs& skips = {});
 
 // The training step of `kind` (`stages` stages on `workers` compute workers, placed by the
 // kind, recomputes for `checkpoint`) lowered with compute worker w on rank worker_rank[w].
 Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
-                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad);
+                       Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
+                       const SkipPairs& skips = {});
 
 // Rank `rank`'s validated schedule of that step, once every rank's schedule together has
 // passed the dry run (a receive waits for its send: no rank can wait forever on another).
 Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       int rank);
+                       int rank, const SkipPairs& skips = {});
 
 // Rank `rank`'s validated forward-only schedule of `kind` (forward_only_program), lowered and
 // dry-run like rank_schedule: sends after the forwards, no gradient and no reduction.
 Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
                                int microbatches, bool loss, std::vector<int> worker_rank,
-                               int rank);
+                               int rank, const SkipPairs& skips = {});
 
 }  // namespace gpipe_fast
