@@ -315,22 +315,41 @@ def bad_layouts(rank: int, world: int) -> list[tuple[str, str]]:
     return errors
 
 
-def skip_across_processes(rank: int, world: int) -> list[tuple[str, str]]:
-    """A skip between cells of different processes is refused (type and message, every
-    rank); one inside a cell is not."""
-    from skip_models import Down, Up
+def skips(
+    rank: int,
+    world: int,
+    *,
+    scenario: str,
+    schedule: str,
+    checkpoint: str,
+    balance: list[int],
+    batches: list[int],
+    seed: int,
+) -> dict[str, Any]:
+    """A skip_models scenario (seeded by `seed`, float64) trained across the world's ranks:
+    per step of `batches` sizes (fresh inputs, seeded by the step) the loss, this rank's
+    gradients, and the evaluation's loss; the values left in the transport after a step."""
+    from skip_models import SCENARIOS
 
-    errors = []
-    for balance in ([1, 3], [2, 2]):  # Down | Linear Linear Up; Down Up | Linear Linear
-        layers = [Down(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), Up()]
-        if balance == [2, 2]:
-            layers = [Down(), Up(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)]
-        try:
-            gf.GPipe(nn.Sequential(*layers).double(), balance, pp_group=dist.group.WORLD).close()
-            errors.append(("none", ""))
-        except Exception as error:
-            errors.append((type(error).__name__, str(error)))
-    return errors
+    torch.manual_seed(seed)
+    net = SCENARIOS[scenario]().double()
+    pipe = gf.GPipe(
+        net, balance, chunks=3, checkpoint=checkpoint, schedule=schedule,
+        pp_group=dist.group.WORLD, timeout=60,
+    )  # fmt: skip
+    steps = []
+    try:
+        for step, size in enumerate(batches):
+            x, y = batch(size, seed=300 + step)
+            pipe.zero_grad(set_to_none=True)
+            loss = pipe.train_step(x, y, nn.functional.mse_loss)
+            evaluated = pipe.eval_step(x, y, nn.functional.mse_loss)
+            steps.append(
+                {"loss": loss.item(), "eval": evaluated.item(), "grads": grads_by_name(pipe)}
+            )
+    finally:
+        pipe.close()
+    return {"steps": steps}
 
 
 def meta_gpt(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -192,3 +194,57 @@ class DropUp(nn.Module):
     def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
         skip = yield pop("drop")
         return self.lin(x) * skip
+
+
+# Six layers cut into K cells (K = 2, 3, 4); the scenarios below place stashes and pops
+# among them.
+BALANCES = {2: [3, 3], 3: [2, 2, 2], 4: [2, 1, 1, 2]}
+
+
+def linear() -> nn.Module:
+    """A WIDTH-to-WIDTH Linear: the plain layers around the skippable ones."""
+    return nn.Linear(WIDTH, WIDTH)
+
+
+def _across() -> nn.Sequential:
+    # Stashed in the first cell, popped in the last: spans every cell (K - 2 in between).
+    return nn.Sequential(Down(), linear(), nn.Tanh(), linear(), nn.Tanh(), Up())
+
+
+def _over_one() -> nn.Sequential:
+    # K=2: from cell 0 to cell 1; K=3: over cell 1; K=4: over cells 1 and 2.
+    return nn.Sequential(linear(), Down(), nn.Tanh(), linear(), Up(), linear())
+
+
+def _inside() -> nn.Sequential:
+    # K=2: both pairs inside a cell; K=3: the first inside, the second across; K=4: the
+    # first inside, the second between neighbours.
+    ns1, ns2 = Namespace(), Namespace()
+    return nn.Sequential(
+        Down().isolate(ns1), Up().isolate(ns1), linear(), Down().isolate(ns2), Up().isolate(ns2),
+        linear(),
+    )  # fmt: skip
+
+
+def _multi() -> nn.Sequential:
+    # Two skips from one stash point ("a", "b"), a layer that pops "a" and stashes "c", and
+    # a last layer popping "b" and "c", from different cells.
+    return nn.Sequential(linear(), StashTwo(), nn.Tanh(), PopAStashC(), linear(), PopBC())
+
+
+def _no_grad() -> nn.Sequential:
+    return nn.Sequential(StashNoGrad(), linear(), nn.Tanh(), linear(), linear(), PopNoGrad())
+
+
+def _none() -> nn.Sequential:
+    return nn.Sequential(linear(), StashNone(), nn.Tanh(), linear(), PopNone(), linear())
+
+
+SCENARIOS: dict[str, Callable[[], nn.Sequential]] = {
+    "across": _across,
+    "over_one": _over_one,
+    "inside": _inside,
+    "multi": _multi,
+    "no_grad": _no_grad,
+    "none": _none,
+}

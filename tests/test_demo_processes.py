@@ -33,6 +33,27 @@ def test_demo_across_two_processes(tmp_path: Path) -> None:
     assert {"forward", "backward", "loss", "send_forward", "recv_forward"} <= kinds
 
 
+def test_the_unet_across_two_processes_sends_its_skips_between_them(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "gpipe_fast", "demo", "--model", "unet", "--processes", "2"]
+    command += ["--steps", "8", "--batch", "16", "--out", "out"]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output  # the loss fell
+    assert "model 'unet'" in result.stdout
+    trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    rows = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    # The encoder cell's skips go straight to the decoder's process, and their gradients back:
+    # their own sends and receives on the timeline, on the ranks at either end.
+    where = {(e["cat"], rows[e["tid"]]) for e in spans}
+    assert ("send_skips", "rank 0 compute") in where, where
+    assert ("recv_skips", "rank 1 receiving activations") in where
+    assert ("send_skip_grads", "rank 1 compute") in where
+    assert ("recv_skip_grads", "rank 0 receiving gradients") in where
+
+
 def _span(kind: str, cell: int, start: float, end: float, worker: int) -> TaskSpan:
     return TaskSpan("step", kind, cell, 0, start, end, worker=worker)
 

@@ -406,14 +406,6 @@ def test_bad_layouts_are_refused_naming_the_argument(two: Cluster) -> None:
         assert messages[4].startswith("timeout must be > 0")
 
 
-def test_a_skip_between_processes_is_refused_naming_it(two: Cluster) -> None:
-    for errors in values(two.run("skip_across_processes")):
-        (kind, message), inside = errors
-        assert kind == "NotImplementedError", errors
-        assert "'down' (cell 0 to cell 1)" in message and "pp_group" in message
-        assert inside == ("none", "")
-
-
 def test_an_exception_on_one_rank_reaches_every_rank(two: Cluster) -> None:
     replies = two.run("fail", timeout_s=60, failing_rank=1)
     two.reset()  # a failed step leaves the process group to be rebuilt (docs/processes.md)

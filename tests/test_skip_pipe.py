@@ -6,85 +6,30 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from skip_models import (
+    BALANCES,
+    SCENARIOS,
     WIDTH,
     Down,
     DropDown,
     DropUp,
-    PopAStashC,
-    PopBC,
-    PopNoGrad,
-    PopNone,
-    StashNoGrad,
-    StashNone,
-    StashTwo,
     Up,
+    linear,
     unet,
 )
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.skip import Namespace, pop, skippable, stash, verify_skippables
+from gpipe_fast.skip import pop, skippable, stash, verify_skippables
 
 from helpers import assert_same_run, pipe_run, reference_run
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 MODES = ("never", "except_last", "always")
-# Six layers cut into K cells; the skip scenarios below place stashes and pops among them.
-BALANCES = {2: [3, 3], 3: [2, 2, 2], 4: [2, 1, 1, 2]}
-
-
-def _lin() -> nn.Module:
-    return nn.Linear(WIDTH, WIDTH)
-
-
-def _across() -> nn.Sequential:
-    # Stashed in the first cell, popped in the last: spans every cell (K - 2 in between).
-    return nn.Sequential(Down(), _lin(), nn.Tanh(), _lin(), nn.Tanh(), Up())
-
-
-def _over_one() -> nn.Sequential:
-    # K=2: from cell 0 to cell 1; K=3: over cell 1; K=4: over cells 1 and 2.
-    return nn.Sequential(_lin(), Down(), nn.Tanh(), _lin(), Up(), _lin())
-
-
-def _inside() -> nn.Sequential:
-    # K=2: both pairs inside a cell; K=3: the first inside, the second across; K=4: the
-    # first inside, the second between neighbours.
-    ns1, ns2 = Namespace(), Namespace()
-    return nn.Sequential(
-        Down().isolate(ns1), Up().isolate(ns1), _lin(), Down().isolate(ns2), Up().isolate(ns2),
-        _lin(),
-    )  # fmt: skip
-
-
-def _multi() -> nn.Sequential:
-    # Two skips from one stash point ("a", "b"), a layer that pops "a" and stashes "c", and
-    # a last layer popping "b" and "c", from different cells.
-    return nn.Sequential(_lin(), StashTwo(), nn.Tanh(), PopAStashC(), _lin(), PopBC())
-
-
-def _no_grad() -> nn.Sequential:
-    return nn.Sequential(StashNoGrad(), _lin(), nn.Tanh(), _lin(), _lin(), PopNoGrad())
-
-
-def _none() -> nn.Sequential:
-    return nn.Sequential(_lin(), StashNone(), nn.Tanh(), _lin(), PopNone(), _lin())
-
-
-SCENARIOS: dict[str, Callable[[], nn.Sequential]] = {
-    "across": _across,
-    "over_one": _over_one,
-    "inside": _inside,
-    "multi": _multi,
-    "no_grad": _no_grad,
-    "none": _none,
-}
 
 
 def _cases() -> list[Any]:
@@ -143,7 +88,7 @@ def test_skips_equal_the_plain_sequential(
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(("batch", "chunks"), [(11, 4), (3, 5)])  # uneven, N < M
 def test_uneven_and_short_batches(make_pipe: Any, schedule: str, batch: int, chunks: int) -> None:
-    model = _multi().double()
+    model = SCENARIOS["multi"]().double()
     pipe = _pipe(make_pipe, model, 4, schedule, chunks=chunks, checkpoint="except_last")
     x = torch.randn(batch, WIDTH, dtype=torch.float64)
     y = torch.randn(batch, WIDTH, dtype=torch.float64)
@@ -167,7 +112,7 @@ def test_dropout_in_a_stashing_layer_is_replayed(make_pipe: Any) -> None:
     # Each (step, cell, micro-batch) draws from its own generator: a recomputation replays
     # the stashed dropout mask, and every schedule and mode computes the same step.
     torch.manual_seed(0)
-    model = nn.Sequential(_lin(), DropDown(), nn.Tanh(), _lin(), DropUp(), _lin()).double()
+    model = nn.Sequential(linear(), DropDown(), nn.Tanh(), linear(), DropUp(), linear()).double()
     x = torch.randn(9, WIDTH, dtype=torch.float64)
     y = torch.randn(9, WIDTH, dtype=torch.float64)
     results = {}
@@ -213,7 +158,9 @@ class _TrackedPop(nn.Module):
 def test_no_skip_tensor_is_held_after_a_step(
     make_pipe: Any, schedule: str, checkpoint: str
 ) -> None:
-    model = nn.Sequential(_TrackedStash(), _lin(), _lin(), _lin(), _TrackedPop(), _lin()).double()
+    model = nn.Sequential(
+        _TrackedStash(), linear(), linear(), linear(), _TrackedPop(), linear()
+    ).double()
     pipe = _pipe(make_pipe, model, 4, schedule, chunks=3, checkpoint=checkpoint)
     x = torch.randn(6, WIDTH, dtype=torch.float64, requires_grad=True)
     y = torch.randn(6, WIDTH, dtype=torch.float64)
@@ -231,13 +178,13 @@ def test_no_skip_tensor_is_held_after_a_step(
 
 def test_a_pipe_verifies_its_skippable_layers(make_pipe: Any) -> None:
     with pytest.raises(TypeError, match="'1' declared 'down' as poppable but it was not stashed"):
-        make_pipe(nn.Sequential(_lin(), Up()), [1, 1], devices=["cpu", "cpu"])
+        make_pipe(nn.Sequential(linear(), Up()), [1, 1], devices=["cpu", "cpu"])
     with pytest.raises(TypeError, match="no module declared 'down' as poppable but stashed"):
-        make_pipe(nn.Sequential(Down(), _lin()), [1, 1], devices=["cpu", "cpu"])
+        make_pipe(nn.Sequential(Down(), linear()), [1, 1], devices=["cpu", "cpu"])
 
 
 def test_skips_inside_cells_keep_working_in_eval_mode(make_pipe: Any) -> None:
-    model = _multi().double()
+    model = SCENARIOS["multi"]().double()
     pipe = _pipe(make_pipe, model, 3, "1f1b", chunks=2)
     x = torch.randn(5, WIDTH, dtype=torch.float64)
     with torch.no_grad():

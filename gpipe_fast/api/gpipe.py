@@ -179,7 +179,7 @@ class GPipe(nn.Module):
             cells.append(cell)
             start += size
         _reject_shared_buffers(cells)
-        skips = _skip_layout(cells, layout.multi_process) if skippable else None
+        skips = _skip_layout(cells) if skippable else None
         ties = find_ties(cells)
         if not layout.multi_process:
             replicate_across_devices(cells, self.devices, ties)
@@ -635,22 +635,8 @@ def pipeline_of(pipe: GPipe) -> Pipeline | None:
     return pipe._pipeline
 
 
-def _skip_layout(cells: Sequence[nn.Sequential], multi_process: bool) -> SkipLayout | None:
+def _skip_layout(cells: Sequence[nn.Sequential]) -> SkipLayout | None:
     """Where the skippable layers' skips are stashed and popped, found once from the cells
-    (None when no skip is stashed and popped). A skip between cells of different processes
-    is not carried yet."""
+    (None when no skip is stashed and popped)."""
     layout = inspect_skip_layout(cells)
-    if not layout.routes:
-        return None
-    crossing = layout.crossing()
-    if multi_process and crossing:
-        names = ", ".join(
-            f"'{route.name}' (cell {route.stash_cell} to cell {route.pop_cell})"
-            for route in crossing
-        )
-        raise NotImplementedError(
-            f"gpipe_fast: skip connections across cells are not supported with pp_group yet: "
-            f"{names}; choose a balance that keeps each stash and its pop in one cell, or run "
-            "the pipe in one process"
-        )
-    return layout
+    return layout if layout.routes else None

@@ -366,9 +366,6 @@ def run_demo(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.batch is None:
         args.batch = 64 if args.model == "unet" else 1024
-    if args.model == "unet" and args.processes > 1:
-        parser.error("--model unet runs in one process: skips between processes are not carried "
-                     "yet (its skips cross the cells of one process)")  # fmt: skip
     if args.processes > 1:
         from gpipe_fast.demo import processes  # it imports this module: not at the top
 

@@ -1,7 +1,7 @@
 """The demo across processes: `python -m gpipe_fast demo --processes P`.
 
-It trains the demo model with one cell per process, started here and joined by gloo over
-127.0.0.1."""
+It trains the demo model (or the U-Net, whose skips then travel between the processes)
+with one cell per process, started here and joined by gloo over 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -37,13 +37,10 @@ def _free_port() -> int:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    from gpipe_fast.demo.job import _INPUTS, _data, _model  # the single-process demo's workload
-
     dist.init_process_group("gloo", rank=rank, world_size=args.processes)
     try:
         torch.manual_seed(args.seed)
-        model = _model(args.width, args.depth, _INPUTS)  # the same weights on every rank
-        data = _data(args.steps, args.batch, torch.device("cpu"))
+        model, data = _workload(args)  # the same weights and batches on every rank
         pipe = gf.GPipe(model, gf.balance_by_params(args.processes, model), chunks=args.chunks,
                         checkpoint=args.checkpoint, schedule=args.schedule,
                         pp_group=dist.group.WORLD)  # fmt: skip
@@ -78,6 +75,19 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
         )
     finally:
         dist.destroy_process_group()
+
+
+def _workload(args: argparse.Namespace) -> tuple[nn.Sequential, list[Any]]:
+    """The single-process demo's model and batches: the MLP, or the U-Net (--model unet)."""
+    from gpipe_fast.demo.job import _INPUTS, _data, _model  # it imports this module
+    from gpipe_fast.demo.unet import batch as unet_batch
+    from gpipe_fast.demo.unet import unet
+
+    if args.model == "unet":
+        model = unet()  # first: its weights do not depend on --steps
+        return model, [unet_batch(step, args.batch) for step in range(args.steps)]
+    model = _model(args.width, args.depth, _INPUTS)
+    return model, _data(args.steps, args.batch, torch.device("cpu"))
 
 
 def _collect(results: Any, processes: list[Any]) -> list[dict[str, Any]] | None:
@@ -118,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     port = _free_port()
     print(
         f"gpipe_fast demo across {args.processes} processes (gloo over 127.0.0.1, one cell "
-        f"each), schedule {args.schedule!r}, M={args.chunks}, checkpoint={args.checkpoint!r}; "
+        f"each), model {args.model!r}, schedule {args.schedule!r}, M={args.chunks}, "
+        f"checkpoint={args.checkpoint!r}; "
         f"on a cluster: torchrun --nproc-per-node {args.processes} your_script.py"
     )
     processes = [

@@ -12,6 +12,7 @@ from torch import Tensor
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport import wire
 from gpipe_fast.transport.local import LocalTransport
 from gpipe_fast.transport.protocol import ACTIVATION, Flow, Payload, Transport
@@ -24,7 +25,13 @@ class DistTransport:
     and the receive task (recv_forward / recv_backward) fetches one into the mailbox. Each
     message is a fixed-size header (structure, dtypes, shapes: they may change between
     micro-batches and steps) then its tensors, tagged with its flow, boundary and
-    micro-batch. Every wait is bounded by the guard."""
+    micro-batch. Every wait is bounded by the guard.
+
+    Skip connections (`skips`) whose stash and pop stages sit on two processes travel the
+    same way, one message per (stash stage, pop stage) pair and micro-batch holding that
+    pair's skips in the layout's order, straight between the two processes: send_skips
+    posts what a stash left, recv_skips fetches it before the popping forward, and their
+    gradients go back with send_skip_grads / recv_skip_grads."""
 
     def __init__(
         self,
@@ -32,6 +39,7 @@ class DistTransport:
         layout: ProcessLayout,
         guard: Guard,
         device: torch.device,
+        skips: SkipLayout | None = None,
     ) -> None:
         self.local = local
         self.layout = layout
@@ -46,6 +54,16 @@ class DistTransport:
         # Sends posted and not yet known complete: (requests, what, peer); their tensors are
         # kept alive by the requests' buffers until then.
         self.sends: list[tuple[list[Any], list[Tensor], str, int]] = []
+        # The skip pairs between processes, (stash, pop) -> their keys in the layout's order
+        # (the same on every rank), numbered for their tags; the values send_skip left for
+        # another process: (flow, sending stage, receiving stage, m, key) -> value.
+        self.skip_pairs: dict[tuple[int, int], list[Hashable]] = {}
+        for route in skips.crossing() if skips is not None else ():
+            pair = (route.stash_cell, route.pop_cell)
+            if layout.stage_rank(pair[0]) != layout.stage_rank(pair[1]):
+                self.skip_pairs.setdefault(pair, []).append(route.key)
+        self.skip_tags = {pair: i for i, pair in enumerate(sorted(self.skip_pairs))}
+        self.skip_outbox: dict[tuple[Flow, int, int, int, Hashable], Tensor | None] = {}
 
     # -- the Transport the stages call -------------------------------------------------------
 
@@ -62,8 +80,6 @@ class DistTransport:
     def recv(self, flow: Flow, stage: int, microbatch: int) -> Payload:
         return self.local.recv(flow, stage, microbatch)
 
-    # -- the communication actions -----------------------------------------------------------
-
     def send_skip(
         self,
         flow: Flow,
@@ -73,24 +89,75 @@ class DistTransport:
         key: Hashable,
         tensor: Tensor | None,
     ) -> None:
-        if not (self.layout.is_local(stage) and self.layout.is_local(receiver)):
-            # GPipe refuses a pipe whose skips cross cells with pp_group before it runs.
-            raise NotImplementedError(
-                "gpipe_fast: skip connections between processes are not supported yet"
-            )
-        self.local.send_skip(flow, stage, receiver, microbatch, key, tensor)
+        if self.layout.is_local(receiver):
+            self.local.send_skip(flow, stage, receiver, microbatch, key, tensor)
+        else:
+            self.skip_outbox[(flow, stage, receiver, microbatch, key)] = tensor
 
     def recv_skip(self, flow: Flow, stage: int, microbatch: int, key: Hashable) -> Tensor | None:
         return self.local.recv_skip(flow, stage, microbatch, key)
+
+    # -- the communication actions -----------------------------------------------------------
 
     def _tag(self, flow: Flow, boundary: int, microbatch: int) -> int:
         return (
             (0 if flow == ACTIVATION else 1) * self.layout.stages + boundary
         ) * 65536 + microbatch
 
+    def _skip_tag(self, flow: Flow, pair: tuple[int, int], microbatch: int) -> int:
+        # After the boundaries' tags: two per skip pair (its skips, their gradients).
+        index = 2 * self.skip_tags[pair] + (0 if flow == ACTIVATION else 1)
+        return (2 * self.layout.stages + index) * 65536 + microbatch
+
     def _what(self, flow: Flow, stage: int, microbatch: int) -> str:
         noun = "activation" if flow == ACTIVATION else "gradient"
         return f"the {noun} of cell {stage}, micro-batch {microbatch}"
+
+    def _skip_what(self, flow: Flow, pair: tuple[int, int], microbatch: int) -> str:
+        names = ", ".join(repr(key[1]) for key in self.skip_pairs[pair])  # type: ignore[index]
+        noun = "skips" if flow == ACTIVATION else "skips' gradients"
+        return (
+            f"the {noun} {names} of cell {pair[0]} popped in cell {pair[1]}, "
+            f"micro-batch {microbatch}"
+        )
+
+    def _send(self, payload: Payload, peer: int, tag: int, what: str) -> None:
+        """Posts `payload` to rank `peer`: its header, then its tensors unless inline."""
+        header = wire.encode(payload, self.device, self.inline_bytes)
+        buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
+        group = self.layout.pp_group
+        requests = [dist.isend(t, dst=peer, group=group, tag=tag) for t in buffers]
+        self.sends.append((requests, buffers, what, peer))
+        self._collect()
+
+    def _post_header(self, peer: int, tag: int) -> tuple[Any, Tensor]:
+        header = wire.empty_header(self.device, self.inline_bytes)
+        return dist.irecv(header, src=peer, group=self.layout.pp_group, tag=tag), header
+
+    def _receive(
+        self, peer: int, tag: int, what: str, posted: tuple[Any, Tensor] | None = None
+    ) -> Payload:
+        """The payload rank `peer` sends with `tag` (its header's receive `posted` ahead, or
+        posted now), once it is here."""
+        request, header = posted or self._post_header(peer, tag)
+        self.guard.wait(request, what, peer)
+        is_tuple, entries = wire.layout(header)
+        if wire.is_inline(header):  # the tensors came with it
+            return wire.assemble(is_tuple, wire.inline(header, entries))
+        tensors = [
+            None if e is None else torch.empty(e[1], dtype=e[0], device=self.device)
+            for e in entries
+        ]
+        group = self.layout.pp_group
+        requests = [dist.irecv(t, src=peer, group=group, tag=tag) for t in tensors if t is not None]
+        if requests:  # one hand-off to the guard's waiters for all of them
+            self.guard.wait(requests, what, peer)
+        return wire.assemble(is_tuple, tensors)
+
+    def _sender(self, flow: Flow, stage: int, microbatch: int) -> tuple[int, int]:
+        """(rank, tag) of the message `stage` receives for `microbatch` in `flow`."""
+        sender = stage - 1 if flow == ACTIVATION else stage + 1
+        return self.layout.global_rank(sender), self._tag(flow, min(stage, sender), microbatch)
 
     def post(self, flow: Flow, stage: int, microbatch: int) -> None:
         """Sends what `stage` left in the outbox to the process of its neighbour."""
@@ -98,50 +165,57 @@ class DistTransport:
         receiver = stage + 1 if flow == ACTIVATION else stage - 1
         peer = self.layout.global_rank(receiver)
         tag = self._tag(flow, min(stage, receiver), microbatch)
-        group = self.layout.pp_group
-        header = wire.encode(payload, self.device, self.inline_bytes)
-        buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
-        requests = [dist.isend(t, dst=peer, group=group, tag=tag) for t in buffers]
-        self.sends.append((requests, buffers, self._what(flow, stage, microbatch), peer))
-        self._collect()
-
-    def _post_header(self, flow: Flow, stage: int, microbatch: int) -> tuple[Any, Tensor]:
-        sender = stage - 1 if flow == ACTIVATION else stage + 1
-        peer = self.layout.global_rank(sender)
-        tag = self._tag(flow, min(stage, sender), microbatch)
-        header = wire.empty_header(self.device, self.inline_bytes)
-        return dist.irecv(header, src=peer, group=self.layout.pp_group, tag=tag), header
+        self._send(payload, peer, tag, self._what(flow, stage, microbatch))
 
     def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
         """Posts the header receive of each of the step's messages at once: a sender then
         delivers a header as soon as it posts it, and each receive waits only for its
         tensors (gloo moves a message once its receive is posted)."""
         for key in receives:
-            self.headers[key] = self._post_header(*key)
+            self.headers[key] = self._post_header(*self._sender(*key))
 
     def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
         """Receives `stage`'s next value from its neighbour's process into the mailbox."""
+        peer, tag = self._sender(flow, stage, microbatch)
         sender = stage - 1 if flow == ACTIVATION else stage + 1
-        peer = self.layout.global_rank(sender)
-        tag = self._tag(flow, min(stage, sender), microbatch)
-        group = self.layout.pp_group
         what = self._what(flow, sender, microbatch)
         posted = self.headers.pop((flow, stage, microbatch), None)
-        request, header = posted or self._post_header(flow, stage, microbatch)
-        self.guard.wait(request, what, peer)
-        is_tuple, entries = wire.layout(header)
-        if wire.is_inline(header):  # the tensors came with it
-            self.local.deliver(flow, stage, microbatch,
-                               wire.assemble(is_tuple, wire.inline(header, entries)))  # fmt: skip
-            return
-        tensors = [
-            None if e is None else torch.empty(e[1], dtype=e[0], device=self.device)
-            for e in entries
-        ]
-        requests = [dist.irecv(t, src=peer, group=group, tag=tag) for t in tensors if t is not None]
-        if requests:  # one hand-off to the guard's waiters for all of them
-            self.guard.wait(requests, what, peer)
-        self.local.deliver(flow, stage, microbatch, wire.assemble(is_tuple, tensors))
+        payload = self._receive(peer, tag, what, posted)
+        self.local.deliver(flow, stage, microbatch, payload)
+
+    def _skip_peers(self, flow: Flow, stage: int, *, sending: bool) -> list[tuple[int, int]]:
+        """The skip pairs between processes that `stage` sends (or receives) in `flow`:
+        forward, a stash sends to its pops; backward, a pop sends to its stashes."""
+        end = 0 if (flow == ACTIVATION) == sending else 1
+        return [pair for pair in sorted(self.skip_pairs) if pair[end] == stage]
+
+    def post_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """Sends what `stage` left for stages of other processes: one message per pair."""
+        for pair in self._skip_peers(flow, stage, sending=True):
+            receiver = pair[1] if flow == ACTIVATION else pair[0]
+            payload = tuple(
+                self.skip_outbox.pop((flow, stage, receiver, microbatch, key))
+                for key in self.skip_pairs[pair]
+            )
+            peer = self.layout.global_rank(receiver)
+            tag = self._skip_tag(flow, pair, microbatch)
+            self._send(payload, peer, tag, self._skip_what(flow, pair, microbatch))
+
+    def fetch_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """Receives what stages of other processes sent `stage` into the local mailbox:
+        every pair's header posted at once, so that they may come in any order."""
+        pairs = self._skip_peers(flow, stage, sending=False)
+        senders = [pair[0] if flow == ACTIVATION else pair[1] for pair in pairs]
+        tags = [self._skip_tag(flow, pair, microbatch) for pair in pairs]
+        peers = [self.layout.global_rank(sender) for sender in senders]
+        posted = [self._post_header(peer, tag) for peer, tag in zip(peers, tags, strict=True)]
+        for i, pair in enumerate(pairs):
+            what = self._skip_what(flow, pair, microbatch)
+            payload = self._receive(peers[i], tags[i], what, posted[i])
+            sender = senders[i]
+            assert isinstance(payload, tuple), "skips travel as a tuple"
+            for key, tensor in zip(self.skip_pairs[pair], payload, strict=True):
+                self.local.send_skip(flow, sender, stage, microbatch, key, tensor)
 
     def _collect(self) -> None:
         """Forgets the sends that have completed (their buffers may go)."""
@@ -154,7 +228,7 @@ class DistTransport:
         self.sends.clear()
 
     def pending(self) -> int:
-        return self.local.pending() + len(self.outbox)
+        return self.local.pending() + len(self.outbox) + len(self.skip_outbox)
 
 
 def make_transport(
@@ -162,11 +236,12 @@ def make_transport(
     devices: Sequence[torch.device],
     layout: ProcessLayout,
     guard: Guard | None,
+    skips: SkipLayout | None = None,
 ) -> Transport:
     """A step's transport: in-process when every stage runs here, else across the pipeline
-    group's processes (bounded by `guard`)."""
+    group's processes (bounded by `guard`), carrying `skips` between them too."""
     local = LocalTransport(streams, devices)
     if not layout.multi_process:
         return local
     assert guard is not None, "a transport across processes needs the pipe's guard"
-    return DistTransport(local, layout, guard, devices[layout.local_stages[0]])
+    return DistTransport(local, layout, guard, devices[layout.local_stages[0]], skips)

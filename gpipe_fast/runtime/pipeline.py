@@ -131,6 +131,7 @@ class Pipeline:
             worker_ranks=worker_ranks,
             rank=self.layout.pp_index,
             reduce_grad=reduce_grad,
+            skips=sorted({(r.stash_cell, r.pop_cell) for r in skips.crossing()}) if skips else (),
         )
         self.groups = (
             ProcessGroups(self.layout, self.devices[self.layout.local_stages[0]], timeout_s)
@@ -213,7 +214,7 @@ class Pipeline:
     def make_transport(self) -> Transport:
         """A step's transport: in-process, or across the pipeline group's processes."""
         guard = self.groups.guard if self.groups is not None else None
-        return make_transport(self.streams, self.devices, self.layout, guard)
+        return make_transport(self.streams, self.devices, self.layout, guard, self.services.skips)
 
     def task_failed(self, error: BaseException) -> None:
         """Tells the other processes at once, so that their waits end (multi-process)."""

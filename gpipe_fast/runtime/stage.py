@@ -338,6 +338,18 @@ class Stage:
     def recv_backward(self, m: int) -> None:
         self.step.transport.fetch(GRADIENT, self.index, m)
 
+    def send_skips(self, m: int) -> None:
+        self.step.transport.post_skips(ACTIVATION, self.index, m)
+
+    def recv_skips(self, m: int) -> None:
+        self.step.transport.fetch_skips(ACTIVATION, self.index, m)
+
+    def send_skip_grads(self, m: int) -> None:
+        self.step.transport.post_skips(GRADIENT, self.index, m)
+
+    def recv_skip_grads(self, m: int) -> None:
+        self.step.transport.fetch_skips(GRADIENT, self.index, m)
+
     def reduce_grad(self, m: int) -> None:
         """The stage's gradients summed over the data-parallel replicas (after its last
         backward; `m` is 0)."""

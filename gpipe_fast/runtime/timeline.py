@@ -35,6 +35,10 @@ _LETTER = {
     "send_backward": "sB",
     "recv_backward": "rB",
     "reduce_grad": "AR",
+    "send_skips": "sS",
+    "recv_skips": "rS",
+    "send_skip_grads": "sG",
+    "recv_skip_grads": "rG",
 }
 _COLOUR = {
     "forward": "#4c72b0",
@@ -49,6 +53,10 @@ _COLOUR = {
     "send_backward": "#6e6e6e",
     "recv_backward": "#a0a0a0",
     "reduce_grad": "#8172b3",
+    "send_skips": "#937860",
+    "recv_skips": "#c9a98c",
+    "send_skip_grads": "#7a6350",
+    "recv_skip_grads": "#b89878",
 }
 _OTHER_COLOUR = "#937860"
 

@@ -69,6 +69,12 @@ class LocalTransport:
     def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
         pass
 
+    def post_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        pass
+
+    def fetch_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        pass
+
     def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
         pass
 

@@ -58,6 +58,14 @@ class Transport(Protocol):
         """The receive task: brings in what `stage`'s neighbour elsewhere sent it, so that
         a later recv finds it."""
 
+    def post_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """The skip send task: puts on its way what send_skip left for stages elsewhere
+        (flow ACTIVATION: `stage`'s stashes; GRADIENT: the gradients of its pops)."""
+
+    def fetch_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
+        """The skip receive task: brings in what stages elsewhere sent `stage` with send_skip
+        (its pops, or its stashes' gradients), so that a later recv_skip finds it."""
+
     def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
         """Told once per step, before it runs, every (flow, stage, micro-batch) its receive
         tasks will fetch (a transport may post those receives ahead)."""
