@@ -9,16 +9,24 @@ blobs (a per-pixel regression), on CPU in a few seconds.
 
     python examples/unet.py [--cells 3] [--steps 60] [--schedule 1f1b] [--timeline out.json]
 
-(One process; skips between processes are not carried yet.)
+Across processes, one cell per process (two with interleaved or zbv), the skips travelling
+between them:
+
+    GLOO_SOCKET_IFNAME=lo python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        examples/unet.py --timeline out.json
+
+(each rank writes its own timeline, out.rank<r>.json; rank 0 prints).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import gpipe_fast as gf
@@ -38,16 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", type=Path, help="write one step's timeline (Chrome trace)")
     args = parser.parse_args(argv)
 
-    torch.manual_seed(0)
+    across = int(os.environ.get("WORLD_SIZE", "1")) > 1  # started by torchrun
+    if across:
+        dist.init_process_group("gloo")
+        args.cells = dist.get_world_size()
+    rank = dist.get_rank() if across else 0
+    say = print if rank == 0 else (lambda *_: None)
+
+    torch.manual_seed(0)  # the same weights on every rank
     model = unet()
     verify_skippables(model)  # the pipe checks it too; here to show it
     cells = args.cells * (2 if args.schedule in ("interleaved", "zbv") else 1)
+    where = {"pp_group": dist.group.WORLD} if across else {"devices": ["cpu"] * args.cells}
     pipe = gf.GPipe(model, gf.balance_by_params(cells, model), chunks=args.chunks,
-                    devices=["cpu"] * args.cells, schedule=args.schedule)  # fmt: skip
+                    schedule=args.schedule, **where)  # fmt: skip
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
     parameters = sum(p.numel() for p in model.parameters())
-    print(f"U-Net of {len(model)} layers, {parameters:,} parameters, cells {pipe.balance}, "
-          f"schedule {args.schedule}, M={args.chunks}")  # fmt: skip
+    say(f"U-Net of {len(model)} layers, {parameters:,} parameters, cells {pipe.balance}, "
+        f"schedule {args.schedule}, M={args.chunks}"
+        + (f", {args.cells} processes" if across else ""))  # fmt: skip
     losses = []
     try:
         for step in range(args.steps):
@@ -58,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(pipe.train_step(noisy, clean, nn.functional.mse_loss).item())
             optimizer.step()
             if step % 10 == 0 or step == args.steps - 1:
-                print(f"step {step:4d}  loss {losses[-1]:.4f}")
+                say(f"step {step:4d}  loss {losses[-1]:.4f}")
         if args.timeline is not None:
-            pipe.timeline().to_chrome_trace(args.timeline)
-            print(f"timeline: {args.timeline}")
+            path = args.timeline
+            if across:  # each rank's own workers: out.json -> out.rank1.json
+                path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+            pipe.timeline().to_chrome_trace(path)
+            say(f"timeline: {path}")
     finally:
         pipe.close()
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        if across:
+            dist.destroy_process_group()
+    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return 0
 
 

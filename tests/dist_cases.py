@@ -352,6 +352,37 @@ def skips(
     return {"steps": steps}
 
 
+def skips_soak(rank: int, world: int, *, schedule: str, steps: int) -> dict[str, Any]:
+    """`steps` training steps of the multi-skip scenario across the world's ranks: the live
+    tensors and threads after a warm-up and after the steps (a leaked skip, message or step
+    would grow them)."""
+    import gc
+    import threading
+
+    from skip_models import SCENARIOS
+
+    def census() -> tuple[int, int]:
+        gc.collect()
+        tensors = sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+        return tensors, threading.active_count()
+
+    torch.manual_seed(0)
+    pipe = gf.GPipe(SCENARIOS["multi"]().double(), [2, 1, 1, 2], chunks=4, schedule=schedule,
+                    checkpoint="except_last", pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    counts = []
+    try:
+        for step in range(steps + 10):
+            if step == 10:
+                counts.append(census())
+            x, y = batch(8 + step % 3, seed=step)  # shapes change between steps too
+            pipe.zero_grad(set_to_none=True)
+            pipe.train_step(x, y, nn.functional.mse_loss)
+        counts.append(census())
+    finally:
+        pipe.close()
+    return {"counts": counts}
+
+
 def meta_gpt(
     rank: int, world: int, *, pp: int, dp: int, balance: list[int], schedule: str
 ) -> dict[str, Any]:

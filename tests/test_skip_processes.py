@@ -175,3 +175,12 @@ def test_the_dry_run_covers_skips_and_each_pair_keeps_one_order(kind: str) -> No
                     assert per_pair == [m for s, p, m in received if (s, p) == pair]
                 crossing += len(sent)
     assert crossing > 0
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_many_steps_with_skips_between_processes_leave_nothing_behind(
+    two: Cluster, schedule: str
+) -> None:
+    for result in values(two.run("skips_soak", schedule=schedule, steps=300)):
+        before, after = result["counts"]
+        assert after == before, result  # (live tensors, threads) after warm-up and at the end

@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +54,28 @@ def test_the_example_learns_and_writes_its_timeline(tmp_path: Path, capsys: Any)
     assert last < 0.2 * first, out  # denoising the blobs: the loss falls fivefold
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("F" in str(e.get("name", "")) for e in events)
+
+
+def test_the_example_across_two_processes_trains_as_in_one(tmp_path: Path, capsys: Any) -> None:
+    # torchrun, one cell per process: the U-Net's skips travel between the processes, and
+    # every step's loss (printed) is the one-process pipe's with the same two cells.
+    example = Path(__file__).resolve().parent.parent / "examples" / "unet.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(example), "--steps", "12",
+               "--timeline", str(tmp_path / "unet.json")]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                            cwd=tmp_path, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert unet_example.main(["--cells", "2", "--steps", "12"]) == 0
+    alone = capsys.readouterr().out
+
+    def losses(out: str) -> list[str]:
+        return [line for line in out.splitlines() if line.startswith(("step", "loss"))]
+
+    assert losses(result.stdout) == losses(alone), result.stdout
+    assert "2 processes" in result.stdout
+    for rank in (0, 1):  # each rank's timeline holds its end of the skips' transfers
+        events = json.loads((tmp_path / f"unet.rank{rank}.json").read_text())["traceEvents"]
+        kinds = {e.get("cat") for e in events}
+        assert ("send_skips" if rank == 0 else "recv_skips") in kinds, kinds
