@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import gpipe_fast as gf
+from gpipe_fast import _C
+from gpipe_fast.api.gpipe import pipeline_of
 
 WIDTH = 5
 VOCAB = 11
@@ -381,6 +383,40 @@ def skips_soak(rank: int, world: int, *, schedule: str, steps: int) -> dict[str,
     finally:
         pipe.close()
     return {"counts": counts}
+
+
+def recorded_step(rank: int, world: int, *, schedule: str) -> dict[str, Any]:
+    """One recorded training step of the multi-skip scenario across the world's ranks (after
+    a warm-up step): this rank's task spans as (kind, cell, micro-batch, start, end, worker),
+    and each of its workers' order of tasks in the step's schedule, (kind, cell, m) each."""
+    from skip_models import SCENARIOS
+
+    torch.manual_seed(0)
+    balance = [3, 3] if schedule in ("gpipe", "1f1b", "zero_bubble") else [2, 1, 1, 2]
+    pipe = gf.GPipe(SCENARIOS["multi"]().double(), balance, chunks=4, schedule=schedule,
+                    pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+    try:
+        x, y = batch(8, seed=1)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        pipe.record_timeline()
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        spans = pipe.timeline().spans
+        pipeline = pipeline_of(pipe)
+        assert pipeline is not None
+        schedule_run, _ = pipeline.schedules.train_step(4, pipe.checkpoint)
+        names = _C.actions()
+        tasks = schedule_run.tasks
+        orders = [
+            [(names[tasks[t].action], tasks[t].stage, tasks[t].microbatch)
+             for t in schedule_run.order(w)]
+            for w in range(schedule_run.workers)
+        ]  # fmt: skip
+    finally:
+        pipe.close()
+    return {
+        "spans": [(s.kind, s.cell, s.microbatch, s.start_s, s.end_s, s.worker) for s in spans],
+        "orders": orders,
+    }
 
 
 def meta_gpt(
