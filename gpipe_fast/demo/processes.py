@@ -57,7 +57,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
             progress.set_postfix(loss=f"{losses[-1]:.4f}")
         progress.close()
         pipe.record_timeline()
-        pipe.train_step(*data[-1], nn.functional.mse_loss)  # one more step, recorded
+        x, y = data[-1]
+        pipe.train_step(x, y, nn.functional.mse_loss)  # one more step, recorded
         timeline = pipe.timeline()
         pipe.close()
         # Every rank hands the parent its own spans (the parent draws them together).
