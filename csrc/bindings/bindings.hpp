@@ -12,5 +12,6 @@ void bind_partition(pybind11::module_& m);
 void bind_memory(pybind11::module_& m);
 void bind_copy(pybind11::module_& m);
 void bind_process(pybind11::module_& m);
+void bind_shm(pybind11::module_& m);
 
 }  // namespace gpipe_fast::bindings

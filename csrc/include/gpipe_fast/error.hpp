@@ -32,6 +32,20 @@ class Interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A bounded wait (a shared-memory channel's receive, flush or attach) ended without what it
+// waited for; Python sees TimeoutError. Nothing is lost: the same wait may be tried again.
+class WaitTimeout : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A shared-memory channel was closed (by either side, or poisoned by a failing rank), or the
+// process at its other end died; Python sees ConnectionError.
+class ChannelClosed : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A memory resource could not satisfy a request; Python sees MemoryError.
 class OutOfMemory : public std::bad_alloc {
  public:
