@@ -1,8 +1,9 @@
 """Persistent worker processes joined by gloo, reused across test cases (a spawn costs seconds).
 
-Each worker runs `dist_cases.<name>(rank, world, **kwargs)` on request and replies with plain
-Python data (or the error's type, message and traceback). Every wait on a reply is bounded,
-so a hang fails the test instead of the run; a worker that dies is seen within a second.
+Each worker runs `dist_cases.<name>(rank, world, **kwargs)` (`<module>.<name>` names another
+module of tests/) on request and replies with plain Python data (or the error's type, message
+and traceback). Every wait on a reply is bounded, so a hang fails the test instead of the run;
+a worker that dies is seen within a second.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class Reply:
 def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    import dist_cases
+    import importlib
+
+    import dist_cases  # noqa: F401  (loaded up front: most cases live there)
     import torch
     import torch.distributed as dist
 
@@ -56,7 +59,9 @@ def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) 
             continue
         start = time.monotonic()
         try:
-            value = getattr(dist_cases, name)(rank, world, **kwargs)
+            module, _, function = name.rpartition(".")
+            case = getattr(importlib.import_module(module or "dist_cases"), function)
+            value = case(rank, world, **kwargs)
             replies.put(Reply(rank, value, seconds=time.monotonic() - start))
         except BaseException as error:
             replies.put(
