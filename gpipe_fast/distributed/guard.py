@@ -7,8 +7,8 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from gpipe_fast import _C
 
@@ -17,6 +17,8 @@ CHECK_EVERY_S = 0.05
 # How long, at most, the rank whose failure the others read stays at exit until they have
 # read it (the store may live in its process and end with it).
 LINGER_S = 10.0
+
+T = TypeVar("T")
 
 # A wait on another rank cannot be cancelled, so a helper thread may still be blocked in one
 # when Python shuts down; were it to return then, the process would abort (exit_guard.hpp).
@@ -163,20 +165,44 @@ class Guard:
             return
         waiting = self._waiters.submit(requests)
         start = time.monotonic()
-        source = "" if peer is None else f" from rank {peer}"
         while not waiting.done.wait(CHECK_EVERY_S):
             self.check()
             if time.monotonic() - start > self.timeout_s:
-                raise PeerFailure(
-                    f"gpipe_fast: rank {self.rank} waited {self.timeout_s:g} s for {what}"
-                    f"{source}; that rank failed or died (or the ranks run different "
-                    "programs: same model, balance, chunks and schedule everywhere?)"
-                )
+                raise self.timed_out(what, peer)
         if waiting.error is not None:
             self.check()  # a failure reported elsewhere explains it best
-            raise PeerFailure(
-                f"gpipe_fast: rank {self.rank} lost {what}{source}: {_first_line(waiting.error)}"
-            ) from waiting.error
+            raise self.lost(what, peer, waiting.error) from waiting.error
+
+    def poll(self, attempt: Callable[[float], T], what: str, peer: int | None = None) -> T:
+        """`attempt(seconds)`'s result, waited for on this thread in slices: `attempt` waits
+        at most `seconds` and raises TimeoutError when nothing came (it is called again after
+        a look for another rank's failure), ConnectionError when the other end closed or
+        died. Bounded by the timeout, like `wait`, with the same messages."""
+        start = time.monotonic()
+        while True:
+            try:
+                return attempt(CHECK_EVERY_S)
+            except TimeoutError:
+                self.check()
+                if time.monotonic() - start > self.timeout_s:
+                    raise self.timed_out(what, peer) from None
+            except ConnectionError as error:
+                self.check()  # the failure that closed the channel, as its rank reported it
+                raise self.lost(what, peer, error) from error
+
+    def timed_out(self, what: str, peer: int | None) -> PeerFailure:
+        source = "" if peer is None else f" from rank {peer}"
+        return PeerFailure(
+            f"gpipe_fast: rank {self.rank} waited {self.timeout_s:g} s for {what}{source}; "
+            "that rank failed or died (or the ranks run different programs: same model, "
+            "balance, chunks and schedule everywhere?)"
+        )
+
+    def lost(self, what: str, peer: int | None, error: BaseException) -> PeerFailure:
+        source = "" if peer is None else f" from rank {peer}"
+        return PeerFailure(
+            f"gpipe_fast: rank {self.rank} lost {what}{source}: {_first_line(error)}"
+        )
 
 
 # Guards whose failure other ranks may still have to read when the process exits.
