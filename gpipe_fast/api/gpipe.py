@@ -24,8 +24,9 @@ from gpipe_fast.arguments import (
     check_timeout,
 )
 from gpipe_fast.device import host
-from gpipe_fast.distributed.host_peers import processes_on_this_host
+from gpipe_fast.distributed.host_peers import host_peers
 from gpipe_fast.distributed.layout import check_device, make_layout
+from gpipe_fast.distributed.shm_links import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
     ADVICE,
@@ -207,12 +208,14 @@ class GPipe(nn.Module):
         self._layer_names = {name for name, _ in named}
         state_dict.register(self)
 
-        # Processes of a multi-process pipe share the host's cores: every rank counts those
-        # on its host (a collective, so every rank asks, whatever its settings).
+        # Processes of a multi-process pipe share the host's cores: every rank learns the
+        # host of every other (a collective, so every rank asks, whatever its settings); the
+        # pipeline's ranks on one host also exchange tensors over shared memory.
         grouped = layout.multi_process or layout.dp_group is not None
+        hosts = host_peers() if grouped else None
         self._threads = host.threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
-            processes=processes_on_this_host() if grouped else 1,
+            processes=hosts.processes_here if hosts is not None else 1,
             one_worker=layout.multi_process,
             given=_check_threads(threads_per_cell),
         )
@@ -231,6 +234,7 @@ class GPipe(nn.Module):
                 timeout_s=timeout,
                 tied=tied,
                 skips=skips,
+                hosts=hosts,
             )
             if cells
             else None
@@ -269,6 +273,25 @@ class GPipe(nn.Module):
         host's cores shared among the CPU cells (one process) or among the job's processes
         on this host (each rank tells the others its host name when the pipe is built)."""
         return self._threads.reason
+
+    @property
+    def transport_kind(self) -> str:
+        """How tensors travel between this pipe's processes: "shared memory" between ranks
+        of one host whose cells run on the CPU, else the process group's backend ("gloo",
+        "nccl"; "shared memory and gloo" when some ranks share a host and others do not),
+        or "in process" for a pipe of one process. GPIPE_FAST_TRANSPORT=gloo (on any rank)
+        keeps CPU tensors on gloo. :attr:`transport_reason` says why."""
+        return self._transport().kind
+
+    @property
+    def transport_reason(self) -> str:
+        """Why :attr:`transport_kind` is what it is."""
+        return self._transport().reason
+
+    def _transport(self) -> TransportChoice:
+        if self._pipeline is None:
+            return TransportChoice("in process", "the pipe has no cells")
+        return self._pipeline.transport
 
     @property
     def threads_per_cell(self) -> int | None:

@@ -1,4 +1,4 @@
-"""Boundary tensors between processes: torch.distributed isend/irecv, each after its header."""
+"""Boundary tensors between processes: a shared-memory message, or isend/irecv after a header."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import Tensor
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.shm_links import ShmLinks
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport import wire
 from gpipe_fast.transport.local import LocalTransport
@@ -27,6 +28,13 @@ class DistTransport:
     micro-batches and steps) then its tensors, tagged with its flow, boundary and
     micro-batch. Every wait is bounded by the guard.
 
+    Between two ranks of one host on the CPU (`links`, the pipe's shared-memory rings) a
+    message is the header and every tensor at once, in the ring of its flow; the receiving
+    communication worker waits for it itself, in slices between which it looks for another
+    rank's failure, and views the tensors in the received bytes. Nothing is posted ahead
+    (`expect`) and a send never waits: what does not fit in the ring is queued, and `finish`
+    waits until it is in.
+
     Skip connections (`skips`) whose stash and pop stages sit on two processes travel the
     same way, one message per (stash stage, pop stage) pair and micro-batch holding that
     pair's skips in the layout's order, straight between the two processes: send_skips
@@ -40,8 +48,10 @@ class DistTransport:
         guard: Guard,
         device: torch.device,
         skips: SkipLayout | None = None,
+        links: ShmLinks | None = None,
     ) -> None:
         self.local = local
+        self.links = links
         self.layout = layout
         self.guard = guard
         self.device = device
@@ -121,8 +131,19 @@ class DistTransport:
             f"micro-batch {microbatch}"
         )
 
-    def _send(self, payload: Payload, peer: int, tag: int, what: str) -> None:
-        """Posts `payload` to rank `peer`: its header, then its tensors unless inline."""
+    def _send(self, payload: Payload, peer: int, tag: int, what: str, flow: Flow) -> None:
+        """Posts `payload` to rank `peer`: its header, then its tensors unless inline (one
+        message for both over shared memory)."""
+        sender = self.links.sender(peer, flow) if self.links is not None else None
+        if sender is not None:
+            header = wire.encode(payload, self.device)
+            parts = [header, *wire.tensors(payload)]
+            try:  # copied into the ring, or into its queue: the tensors may go at once
+                sender.send(tag, [(t.data_ptr(), t.numel() * t.element_size()) for t in parts])
+            except ConnectionError as error:
+                self.guard.check()
+                raise self.guard.lost(f"the channel to send {what}", peer, error) from error
+            return
         header = wire.encode(payload, self.device, self.inline_bytes)
         buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
         group = self.layout.pp_group
@@ -135,10 +156,24 @@ class DistTransport:
         return dist.irecv(header, src=peer, group=self.layout.pp_group, tag=tag), header
 
     def _receive(
-        self, peer: int, tag: int, what: str, posted: tuple[Any, Tensor] | None = None
+        self,
+        peer: int,
+        tag: int,
+        what: str,
+        flow: Flow,
+        posted: tuple[Any, Tensor] | None = None,
     ) -> Payload:
         """The payload rank `peer` sends with `tag` (its header's receive `posted` ahead, or
         posted now), once it is here."""
+        receiver = self.links.receiver(peer, flow) if self.links is not None else None
+        if receiver is not None:
+            ring = receiver  # for the closure's type
+            message = self.guard.poll(lambda seconds: ring.receive(tag, seconds), what, peer)
+            # The header then each tensor at an aligned offset, as an inline message is laid
+            # out: the tensors are views of the received bytes (they keep them alive).
+            received = torch.frombuffer(message, dtype=torch.int64)  # type: ignore[call-overload]
+            is_tuple, entries = wire.layout(received)
+            return wire.assemble(is_tuple, wire.inline(received, entries))
         request, header = posted or self._post_header(peer, tag)
         self.guard.wait(request, what, peer)
         is_tuple, entries = wire.layout(header)
@@ -165,14 +200,17 @@ class DistTransport:
         receiver = stage + 1 if flow == ACTIVATION else stage - 1
         peer = self.layout.global_rank(receiver)
         tag = self._tag(flow, min(stage, receiver), microbatch)
-        self._send(payload, peer, tag, self._what(flow, stage, microbatch))
+        self._send(payload, peer, tag, self._what(flow, stage, microbatch), flow)
 
     def expect(self, receives: Iterable[tuple[Flow, int, int]]) -> None:
         """Posts the header receive of each of the step's messages at once: a sender then
         delivers a header as soon as it posts it, and each receive waits only for its
-        tensors (gloo moves a message once its receive is posted)."""
+        tensors (gloo moves a message once its receive is posted). Not over shared memory:
+        a message waits in its ring until asked for."""
         for key in receives:
-            self.headers[key] = self._post_header(*self._sender(*key))
+            peer, tag = self._sender(*key)
+            if not self._over_shm(peer, key[0]):
+                self.headers[key] = self._post_header(peer, tag)
 
     def fetch(self, flow: Flow, stage: int, microbatch: int) -> None:
         """Receives `stage`'s next value from its neighbour's process into the mailbox."""
@@ -180,7 +218,7 @@ class DistTransport:
         sender = stage - 1 if flow == ACTIVATION else stage + 1
         what = self._what(flow, sender, microbatch)
         posted = self.headers.pop((flow, stage, microbatch), None)
-        payload = self._receive(peer, tag, what, posted)
+        payload = self._receive(peer, tag, what, flow, posted)
         self.local.deliver(flow, stage, microbatch, payload)
 
     def _skip_peers(self, flow: Flow, stage: int, *, sending: bool) -> list[tuple[int, int]]:
@@ -199,7 +237,7 @@ class DistTransport:
             )
             peer = self.layout.global_rank(receiver)
             tag = self._skip_tag(flow, pair, microbatch)
-            self._send(payload, peer, tag, self._skip_what(flow, pair, microbatch))
+            self._send(payload, peer, tag, self._skip_what(flow, pair, microbatch), flow)
 
     def fetch_skips(self, flow: Flow, stage: int, microbatch: int) -> None:
         """Receives what stages of other processes sent `stage` into the local mailbox:
@@ -208,10 +246,13 @@ class DistTransport:
         senders = [pair[0] if flow == ACTIVATION else pair[1] for pair in pairs]
         tags = [self._skip_tag(flow, pair, microbatch) for pair in pairs]
         peers = [self.layout.global_rank(sender) for sender in senders]
-        posted = [self._post_header(peer, tag) for peer, tag in zip(peers, tags, strict=True)]
+        posted = [
+            None if self._over_shm(peer, flow) else self._post_header(peer, tag)
+            for peer, tag in zip(peers, tags, strict=True)
+        ]
         for i, pair in enumerate(pairs):
             what = self._skip_what(flow, pair, microbatch)
-            payload = self._receive(peers[i], tags[i], what, posted[i])
+            payload = self._receive(peers[i], tags[i], what, flow, posted[i])
             sender = senders[i]
             assert isinstance(payload, tuple), "skips travel as a tuple"
             for key, tensor in zip(self.skip_pairs[pair], payload, strict=True):
@@ -221,8 +262,16 @@ class DistTransport:
         """Forgets the sends that have completed (their buffers may go)."""
         self.sends = [s for s in self.sends if not all(r.is_completed() for r in s[0])]
 
+    def _over_shm(self, peer: int, flow: Flow) -> bool:
+        return self.links is not None and self.links.receiver(peer, flow) is not None
+
     def finish(self) -> None:
-        """Waits for every send of the step to complete (at its end)."""
+        """Waits for every send of the step to complete (at its end): over shared memory,
+        until what its rings' senders queued is in the rings."""
+        for (peer, _), sender in self.links.senders.items() if self.links is not None else ():
+            if sender.queued_bytes:
+                what = f"rank {peer} to take in this step's messages"
+                self.guard.poll(sender.flush, what)
         for requests, _buffers, what, peer in self.sends:
             self.guard.wait(requests, f"{what} to be received", peer)
         self.sends.clear()
@@ -237,11 +286,13 @@ def make_transport(
     layout: ProcessLayout,
     guard: Guard | None,
     skips: SkipLayout | None = None,
+    links: ShmLinks | None = None,
 ) -> Transport:
     """A step's transport: in-process when every stage runs here, else across the pipeline
-    group's processes (bounded by `guard`), carrying `skips` between them too."""
+    group's processes (bounded by `guard`; over `links` where the pipe has a shared-memory
+    ring), carrying `skips` between them too."""
     local = LocalTransport(streams, devices)
     if not layout.multi_process:
         return local
     assert guard is not None, "a transport across processes needs the pipe's guard"
-    return DistTransport(local, layout, guard, devices[layout.local_stages[0]], skips)
+    return DistTransport(local, layout, guard, devices[layout.local_stages[0]], skips, links)

@@ -30,8 +30,10 @@ from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.dist_transport import make_transport
 from gpipe_fast.distributed.driver import CrossProcess
 from gpipe_fast.distributed.grad_reduce import sum_gradients
+from gpipe_fast.distributed.host_peers import HostPeers, host_peers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
+from gpipe_fast.distributed.shm_links import ShmLinks, TransportChoice, connect
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.cell import Cell
@@ -98,6 +100,7 @@ class Pipeline:
         timeout_s: float = 300.0,
         tied: TiedGradients | None = None,
         skips: SkipLayout | None = None,
+        hosts: HostPeers | None = None,
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
         self.tied = tied
@@ -138,6 +141,17 @@ class Pipeline:
             if self.layout.multi_process or reduce_grad
             else None
         )
+        # Rings to the pipeline group's ranks on this host (CPU cells), made once per pipe.
+        self.links: ShmLinks | None = None
+        self.transport = TransportChoice("in process", "every cell of the pipe runs here")
+        if self.groups is not None and self.layout.multi_process:
+            self.links, self.transport = connect(
+                self.layout,
+                hosts or host_peers(),
+                self.groups.guard,
+                self.groups.device,
+                skips,
+            )
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
         # One worker per local compute worker, then the communication workers of a lowered
         # schedule (as many as its schedules have: one per flow received).
@@ -214,12 +228,18 @@ class Pipeline:
     def make_transport(self) -> Transport:
         """A step's transport: in-process, or across the pipeline group's processes."""
         guard = self.groups.guard if self.groups is not None else None
-        return make_transport(self.streams, self.devices, self.layout, guard, self.services.skips)
+        return make_transport(
+            self.streams, self.devices, self.layout, guard, self.services.skips, self.links
+        )
 
     def task_failed(self, error: BaseException) -> None:
-        """Tells the other processes at once, so that their waits end (multi-process)."""
+        """Tells the other processes at once, so that their waits end (multi-process): the
+        failure goes to the store, then this rank's rings close."""
         if self.groups is not None:
-            self.groups.guard.report(f"{type(error).__name__}: {error}")
+            guard = self.groups.guard
+            guard.report(f"{type(error).__name__}: {error}")
+            if self.links is not None:
+                self.links.close(f"rank {guard.rank}'s step failed", failed=True)
 
     def reduce_gradients(self, stage: int) -> None:
         """Stage `stage`'s gradients summed over the data-parallel group."""
@@ -376,6 +396,9 @@ class Pipeline:
 
     def close(self) -> None:
         self.executor.close()
+        if self.links is not None:
+            self.links.release()
+            self.links = None
         if self.recompute_memory is not None:
             self.recompute_memory.close()
 

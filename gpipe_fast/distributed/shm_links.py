@@ -1,0 +1,164 @@
+"""A pipe's same-host channels: a shared-memory ring per sending rank, receiving rank and lane."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gpipe_fast import _C
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.host_peers import HostPeers
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport.protocol import ACTIVATION, Flow
+
+# GPIPE_FAST_TRANSPORT=gloo keeps CPU tensors on gloo even between ranks of one host.
+ENV = "GPIPE_FAST_TRANSPORT"
+# Room of each ring: a larger message streams through it (its sender's flusher thread).
+RING_BYTES = 1 << 21
+# How long a waiting side spins before it sleeps on its futex.
+SPIN_US = 20.0
+SHARED_MEMORY = "shared memory"
+
+
+def lane(flow: Flow) -> int:
+    """The ring of a flow: each has one receiving thread (communication worker) per process,
+    activations and skips on one, gradients and skips' gradients on the other."""
+    return 0 if flow == ACTIVATION else 1
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """How a pipe's tensors travel between its processes, and why."""
+
+    kind: str  # "in process", "shared memory", "shared memory and gloo", or the backend's name
+    reason: str
+
+
+class ShmLinks:
+    """This rank's ends of its pipe's rings, by (peer's global rank, lane): it created the
+    receiving ones, attached to the sending ones. Set up once per pipe, closed with it."""
+
+    def __init__(
+        self,
+        senders: dict[tuple[int, int], _C.ShmSender],
+        receivers: dict[tuple[int, int], _C.ShmReceiver],
+    ) -> None:
+        self.senders = senders
+        self.receivers = receivers
+
+    def sender(self, peer: int, flow: Flow) -> _C.ShmSender | None:
+        return self.senders.get((peer, lane(flow)))
+
+    def receiver(self, peer: int, flow: Flow) -> _C.ShmReceiver | None:
+        return self.receivers.get((peer, lane(flow)))
+
+    def close(self, reason: str, failed: bool = False) -> None:
+        """Closes every ring for both sides (`failed`: this rank's step failed), so that a
+        peer waiting on one stops at once; what a ring holds is still read by its receiver."""
+        for sender in self.senders.values():
+            sender.close(reason, failed)
+        for receiver in self.receivers.values():
+            receiver.close(reason, failed)
+
+    def release(self) -> None:
+        """Closes the rings and lets their memory go (the pipe is closed)."""
+        self.close("the pipe was closed")
+        self.senders.clear()
+        self.receivers.clear()
+
+
+def routes(layout: ProcessLayout, skips: SkipLayout | None) -> set[tuple[int, int, int]]:
+    """Every (sending position, receiving position, lane) of the pipeline group that carries
+    messages: a boundary between cells of two ranks (activations one way, gradients back),
+    and a skip pair between two ranks (skips, their gradients back). The same on every rank."""
+    pairs = [(k, k + 1) for k in range(layout.stages - 1)]
+    pairs += [(r.stash_cell, r.pop_cell) for r in (skips.crossing() if skips else ())]
+    found = set()
+    for first, second in pairs:
+        a, b = layout.stage_rank(first), layout.stage_rank(second)
+        if a != b:
+            found |= {(a, b, 0), (b, a, 1)}
+    return found
+
+
+def _ring_name(token: int, sender: int, receiver: int, lane: int) -> str:
+    return f"/gpf-{token:016x}-s{sender}-r{receiver}-l{lane}"
+
+
+def connect(
+    layout: ProcessLayout,
+    hosts: HostPeers,
+    guard: Guard,
+    device: torch.device,
+    skips: SkipLayout | None,
+) -> tuple[ShmLinks | None, TransportChoice]:
+    """The pipe's rings between the ranks of its pipeline group that share a host, when its
+    cells run on the CPU (None otherwise), and the choice made. Every rank of the group calls
+    it, at the pipe's build: the ranks agree (two small all-reduces) on shared memory, or on
+    the process group's backend for all when any of them cannot (GPIPE_FAST_TRANSPORT=gloo,
+    or no room for the rings)."""
+    if not layout.multi_process:
+        return None, TransportChoice("in process", "every cell of the pipe runs in this process")
+    backend = str(dist.get_backend(layout.pp_group))
+    if device.type != "cpu":
+        return None, TransportChoice(
+            backend, f"the cells run on {device.type}: shared memory carries CPU tensors only"
+        )
+    choice = os.environ.get(ENV, "").strip().lower()
+    if choice not in ("", "auto", "gloo"):
+        raise ValueError(f"{ENV}={choice!r}: give 'gloo' (or leave it unset: shared memory "
+                         "between the ranks of one host)")  # fmt: skip
+    ranks = layout.pp_ranks
+    every = routes(layout, skips)
+    rings = {(s, r, n) for s, r, n in every if hosts.same_host(ranks[s], ranks[r])}
+    if not rings:
+        return None, TransportChoice(backend, "no two ranks that exchange tensors share a host")
+    me = layout.pp_index
+    # Agreed by every rank: whether any wants the backend, and the rings' names (a random
+    # token of the group's first rank: unique per job, pipe and attempt).
+    token = int.from_bytes(os.urandom(8), "big") >> 1 if me == 0 else 0
+    agreed = torch.tensor([int(choice == "gloo"), token], dtype=torch.int64)
+    _all_max(agreed, layout, guard, "the ranks' choice of transport")
+    if agreed[0]:
+        where = "on this rank" if choice == "gloo" else "on another rank of the pipe"
+        return None, TransportChoice(backend, f"{ENV}=gloo {where}")
+    token = int(agreed[1])
+    receivers: dict[tuple[int, int], _C.ShmReceiver] = {}
+    problem = ""
+    try:
+        for s, r, n in sorted(rings):
+            if r == me:
+                name = _ring_name(token, ranks[s], ranks[r], n)
+                receivers[(ranks[s], n)] = _C.ShmReceiver(name, RING_BYTES, SPIN_US)
+    except (OSError, RuntimeError) as error:  # no room in /dev/shm, say
+        problem = str(error).strip().splitlines()[0]
+    failed = torch.tensor([int(bool(problem))], dtype=torch.int64)
+    _all_max(failed, layout, guard, "the ranks' shared-memory rings")
+    if failed[0]:
+        receivers.clear()  # their names go with them: no sender attached
+        where = f"this rank: {problem}" if problem else "another rank of the pipe"
+        return None, TransportChoice(backend, f"shared-memory rings could not be made on {where}")
+    senders = {
+        (ranks[r], n): _C.ShmSender(_ring_name(token, ranks[s], ranks[r], n), guard.timeout_s,
+                                    SPIN_US)
+        for s, r, n in sorted(rings)
+        if s == me
+    }  # fmt: skip
+    for (peer, _), receiver in receivers.items():
+        guard.poll(receiver.wait_attached, "its shared-memory ring to be attached", peer)
+    links = ShmLinks(senders, receivers)
+    if rings == every:
+        return links, TransportChoice(SHARED_MEMORY, "the pipe's ranks share this host")
+    return links, TransportChoice(
+        f"{SHARED_MEMORY} and {backend}",
+        f"shared memory between ranks of one host, {backend} between hosts",
+    )
+
+
+def _all_max(value: torch.Tensor, layout: ProcessLayout, guard: Guard, what: str) -> None:
+    request = dist.all_reduce(value, dist.ReduceOp.MAX, group=layout.pp_group, async_op=True)
+    guard.wait(request, what)
