@@ -56,17 +56,21 @@ class ShmLinks:
     def receiver(self, peer: int, flow: Flow) -> _C.ShmReceiver | None:
         return self.receivers.get((peer, lane(flow)))
 
-    def close(self, reason: str, failed: bool = False) -> None:
-        """Closes every ring for both sides (`failed`: this rank's step failed), so that a
-        peer waiting on one stops at once; what a ring holds is still read by its receiver."""
+    def fail(self, reason: str) -> None:
+        """This rank's step failed: closes the rings it sends on, so that a peer waiting for
+        its messages stops at once. Those it receives on stay open: its own receiving
+        threads learn of the failure from the store (or from the peers closing theirs), after
+        the failing task's own error has ended the step, so that this rank raises that one."""
         for sender in self.senders.values():
-            sender.close(reason, failed)
-        for receiver in self.receivers.values():
-            receiver.close(reason, failed)
+            sender.close(reason, True)
 
     def release(self) -> None:
-        """Closes the rings and lets their memory go (the pipe is closed)."""
-        self.close("the pipe was closed")
+        """Closes every ring (what one holds is still read by its receiver) and lets their
+        memory go: the pipe is closed."""
+        for sender in self.senders.values():
+            sender.close("the pipe was closed", False)
+        for receiver in self.receivers.values():
+            receiver.close("the pipe was closed", False)
         self.senders.clear()
         self.receivers.clear()
 

@@ -239,7 +239,7 @@ class Pipeline:
             guard = self.groups.guard
             guard.report(f"{type(error).__name__}: {error}")
             if self.links is not None:
-                self.links.close(f"rank {guard.rank}'s step failed", failed=True)
+                self.links.fail(f"rank {guard.rank}'s step failed")
 
     def reduce_gradients(self, stage: int) -> None:
         """Stage `stage`'s gradients summed over the data-parallel group."""
