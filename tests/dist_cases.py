@@ -136,7 +136,10 @@ def train(
             )  # fmt: skip
     finally:
         pipe.close()
-    return {"steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell}
+    return {
+        "steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell,
+        "transport": pipe.transport_kind, "transport_reason": pipe.transport_reason,
+    }  # fmt: skip
 
 
 def evaluate(
@@ -242,18 +245,21 @@ class _Fail(nn.Module):
         return x
 
 
+def _failing_pipe(world: int, failing_rank: int, kill: bool, pp: int) -> gf.GPipe:
+    pp_group, dp_group, _ = groups(pp, world // pp)
+    layers: list[nn.Module] = []
+    for _ in range(pp):
+        layers += [nn.Linear(WIDTH, WIDTH), _Fail(failing_rank, kill)]
+    return gf.GPipe(nn.Sequential(*layers).double(), [2] * pp, chunks=4, schedule="1f1b",
+                    pp_group=pp_group, dp_group=dp_group, timeout=20)  # fmt: skip
+
+
 def fail(
     rank: int, world: int, *, failing_rank: int, kill: bool = False, pp: int = 0
 ) -> dict[str, Any]:
     """One rank's layer raises (or, with kill, its process dies) in a forward; the others
     must stop, not hang. With `pp`, a (world / pp) x pp mesh of data-parallel pipelines."""
-    pp = pp or world
-    pp_group, dp_group, _ = groups(pp, world // pp)
-    layers: list[nn.Module] = []
-    for _ in range(pp):
-        layers += [nn.Linear(WIDTH, WIDTH), _Fail(failing_rank, kill)]
-    pipe = gf.GPipe(nn.Sequential(*layers).double(), [2] * pp, chunks=4, schedule="1f1b",
-                    pp_group=pp_group, dp_group=dp_group, timeout=20)  # fmt: skip
+    pipe = _failing_pipe(world, failing_rank, kill, pp or world)
     x, y = batch(8, seed=1)
     try:
         pipe.train_step(x, y, nn.functional.mse_loss)
@@ -605,3 +611,50 @@ def thread_rule(rank: int, world: int, *, cores: int, set_threads: int | None) -
         omp, host.cpu_cores, host._IMPORT_THREADS = saved  # type: ignore[assignment]
         if omp is not None:
             os.environ["OMP_NUM_THREADS"] = omp
+
+
+def with_env(
+    rank: int, world: int, *, env: dict[str, str], case: str, only: Any = None, **kwargs: Any
+) -> Any:
+    """Another case run with `env` set in this worker's environment (restored after), on the
+    ranks `only` lists (all when None)."""
+    saved = {name: os.environ.get(name) for name in env}
+    if only is None or rank in only:
+        os.environ.update(env)
+    try:
+        return globals()[case](rank, world, **kwargs)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def ring_names(pipe: gf.GPipe) -> list[str]:
+    """The names of this rank's shared-memory rings of `pipe` (none over gloo)."""
+    links = pipe._pipeline.links if pipe._pipeline is not None else None
+    if links is None:
+        return []
+    return sorted(end.name for end in [*links.senders.values(), *links.receivers.values()])
+
+
+def in_dev_shm(names: list[str]) -> list[str]:
+    """Those of `names` (rings) that are still files in /dev/shm."""
+    return sorted(n for n in names if os.path.exists("/dev/shm/" + n.lstrip("/")))
+
+
+def shm_failure(rank: int, world: int, *, failing_rank: int, pp: int = 0) -> dict[str, Any]:
+    """`fail`'s step, with what the rings were: this rank's error, the transport, the ring
+    names, and which of them are in /dev/shm while the pipe is open and after it closed."""
+    pipe = _failing_pipe(world, failing_rank, False, pp or world)
+    names = ring_names(pipe)
+    x, y = batch(8, seed=1)
+    open_left = in_dev_shm(names)
+    try:
+        error = _error_of(lambda: pipe.train_step(x, y, nn.functional.mse_loss))
+        refused = _error_of(lambda: pipe.train_step(x, y, nn.functional.mse_loss))
+    finally:
+        pipe.close()
+    return {"transport": pipe.transport_kind, "names": names, "error": error,
+            "refused": refused, "open_left": open_left, "left": in_dev_shm(names)}  # fmt: skip

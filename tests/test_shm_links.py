@@ -1,0 +1,115 @@
+"""A pipe's same-host transport: shared-memory rings between the ranks of one host, or gloo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster import Cluster, values
+from test_multiprocess import _check_steps
+
+from gpipe_fast import _C
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.shm_links import ENV, lane, routes
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
+
+
+def _layout(stage_ranks: tuple[int, ...], ranks: int = 2) -> ProcessLayout:
+    return ProcessLayout(None, None, tuple(range(ranks)), 0, len(stage_ranks), stage_ranks)
+
+
+class _Route:
+    def __init__(self, stash: int, pop: int) -> None:
+        self.stash_cell, self.pop_cell = stash, pop
+
+
+class _Skips:
+    def __init__(self, *pairs: tuple[int, int]) -> None:
+        self.pairs = pairs
+
+    def crossing(self) -> list[_Route]:
+        return [_Route(*pair) for pair in self.pairs]
+
+
+def test_each_flow_has_its_own_lane() -> None:
+    # One receiving thread per lane: activations (and skips), gradients (and theirs).
+    assert (lane(ACTIVATION), lane(GRADIENT)) == (0, 1)
+
+
+def test_a_message_lays_out_its_tensors_as_an_inline_one() -> None:
+    assert wire.ALIGN == _C.SHM_PART_ALIGN
+    assert wire.HEADER_LENGTH * 8 % _C.SHM_PART_ALIGN == 0
+
+
+def test_rings_follow_the_boundaries_between_ranks() -> None:
+    # 1f1b on 2 ranks: one boundary, activations 0 -> 1 and gradients 1 -> 0.
+    assert routes(_layout((0, 1)), None) == {(0, 1, 0), (1, 0, 1)}
+    # Interleaved on 2 ranks: boundaries both ways, each flow on its own lane.
+    assert routes(_layout((0, 1, 0, 1)), None) == {(0, 1, 0), (1, 0, 0), (0, 1, 1), (1, 0, 1)}
+    # zbv on 2 ranks: cells 1 and 2 on one rank need no ring between them.
+    assert routes(_layout((0, 1, 1, 0)), None) == {(0, 1, 0), (1, 0, 0), (0, 1, 1), (1, 0, 1)}
+    # 3 ranks in a chain: no ring between ranks 0 and 2...
+    chain = _layout((0, 1, 2), ranks=3)
+    assert {(s, r) for s, r, _ in routes(chain, None)} == {(0, 1), (1, 0), (1, 2), (2, 1)}
+    # ... unless a skip goes from cell 0 to cell 2, past rank 1.
+    skipped = routes(chain, _Skips((0, 2), (1, 1)))  # type: ignore[arg-type]
+    assert {(0, 2, 0), (2, 0, 1)} <= skipped
+    assert len(skipped) == 6
+
+
+def _train(cluster: Cluster, env: dict[str, str]) -> list[dict[str, Any]]:
+    return values(cluster.run(
+        "with_env", env=env, case="train", schedule="1f1b", layers=4, balance=[4, 4],
+        chunks=4, checkpoint="except_last", batches=[12, 5], pp=2, dp=1,
+    ))  # fmt: skip
+
+
+def test_same_host_ranks_use_shared_memory_and_gloo_when_asked(two: Cluster) -> None:
+    shm = _train(two, {})
+    gloo = _train(two, {ENV: "gloo"})
+    assert [r["transport"] for r in shm] == ["shared memory"] * 2, shm[0]["transport_reason"]
+    assert [r["transport"] for r in gloo] == ["gloo"] * 2
+    assert gloo[0]["transport_reason"] == f"{ENV}=gloo on this rank"
+    # Both equal the whole model on the whole batch, and each other exactly.
+    _check_steps(shm, 4, [12, 5])
+    _check_steps(gloo, 4, [12, 5])
+    assert [r["steps"] for r in shm] == [r["steps"] for r in gloo]
+
+
+def test_gloo_on_one_rank_is_gloo_for_the_whole_pipe(two: Cluster) -> None:
+    results = values(two.run(
+        "with_env", env={ENV: "gloo"}, only=[1], case="train", schedule="1f1b", layers=2,
+        balance=[2, 2], chunks=2, checkpoint="never", batches=[4], pp=2, dp=1,
+    ))  # fmt: skip
+    assert [r["transport"] for r in results] == ["gloo", "gloo"]
+    assert results[0]["transport_reason"] == f"{ENV}=gloo on another rank of the pipe"
+    assert results[1]["transport_reason"] == f"{ENV}=gloo on this rank"
+
+
+def test_an_unknown_transport_is_refused(two: Cluster) -> None:
+    replies = two.run("with_env", env={ENV: "carrier-pigeon"}, case="train", schedule="1f1b",
+                      layers=2, balance=[2, 2], chunks=2, checkpoint="never", batches=[4],
+                      pp=2, dp=1)  # fmt: skip
+    for reply in replies:
+        assert reply.error_type == "ValueError" and "carrier-pigeon" in reply.error, reply
+
+
+def test_a_failure_over_shared_memory_reaches_every_rank_and_leaves_nothing(
+    two: Cluster,
+) -> None:
+    replies = values(two.run("shm_failure", failing_rank=1))
+    two.reset()  # a failed step leaves the process group to be rebuilt (docs/processes.md)
+    failing, other = replies[1], replies[0]
+    assert failing["transport"] == other["transport"] == "shared memory"
+    assert failing["error"][0] == "KeyError"
+    assert other["error"][0] == "PeerFailure", other["error"]
+    assert other["error"][1].startswith("gpipe_fast: the step failed on rank 1: KeyError")
+    for result in replies:
+        assert result["refused"][0] == "PeerFailure" and "earlier step" in result["refused"][1]
+        assert len(result["names"]) == 2  # one ring each way: activations, gradients
+        assert result["open_left"] == result["left"] == []  # unlinked once both attached
+    # A pipe built after the group was rebuilt gets rings of its own.
+    again = values(two.run("shm_failure", failing_rank=-1))
+    assert [r["error"] for r in again] == [("none", "")] * 2
+    assert not set(again[0]["names"]) & set(replies[0]["names"])
+    assert again[0]["left"] == again[1]["left"] == []
