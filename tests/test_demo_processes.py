@@ -25,6 +25,7 @@ def test_demo_across_two_processes(tmp_path: Path) -> None:
     assert "torchrun --nproc-per-node 2" in result.stdout
     assert re.search(r"throughput: [\d,]+ samples/s", result.stdout), output
     assert "rank 0 computes" in result.stdout and "rank 1 computes" in result.stdout
+    assert "tensors between processes: shared memory (" in result.stdout, output
     trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert rows == {f"rank {r} {what}" for r in (0, 1) for what in

@@ -71,6 +71,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
                 "microbatches": timeline.microbatches,
                 "threads": pipe.threads_per_cell,
                 "threads_reason": pipe.threads_reason,
+                "transport": pipe.transport_kind,
+                "transport_reason": pipe.transport_reason,
                 "balance": pipe.balance,
             }
         )
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     window = max(1, min(10, len(losses) // 2))
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
     print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'} "
-          f"({result['threads_reason']})")  # fmt: skip
+          f"({result['threads_reason']}); tensors between processes: {result['transport']} "
+          f"({result['transport_reason']})")  # fmt: skip
     print(f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)")
     print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
     timeline = merged_timeline([r["spans"] for r in by_rank], len(result["balance"]),
