@@ -136,3 +136,56 @@ def test_a_restarted_jobs_failures_are_its_own(monkeypatch: pytest.MonkeyPatch) 
     Guard(store, f"gpipe_fast/attempt{first}/pipe0", 1, 1).report("ValueError: old")
     restarted = Guard(store, f"gpipe_fast/attempt{process_groups._attempt()}/pipe0", 0, 1)
     assert restarted.failure() is None
+
+
+class _Channel:
+    """A receive done on the caller's thread (a shared-memory ring's): TimeoutError for the
+    first `empty` slices, then the message, or `error` once it is set."""
+
+    def __init__(self, empty: int = 0) -> None:
+        self.empty = empty
+        self.calls: list[float] = []
+        self.error: Exception | None = None
+
+    def receive(self, seconds: float) -> str:
+        self.calls.append(seconds)
+        time.sleep(seconds / 10)
+        if self.error is not None:
+            raise self.error
+        if len(self.calls) <= self.empty:
+            raise TimeoutError("nothing yet")
+        return "message"
+
+
+def test_a_poll_returns_what_came_after_empty_slices() -> None:
+    channel = _Channel(empty=3)
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=30)
+    assert guard.poll(channel.receive, "an activation", peer=1) == "message"
+    assert len(channel.calls) == 4 and max(channel.calls) <= 0.05  # short slices
+
+
+def test_another_ranks_failure_ends_a_poll() -> None:
+    store = _store()
+    polling, failing = Guard(store, "pipe", 0, 30), Guard(store, "pipe", 1, 30)
+    threading.Timer(0.1, lambda: failing.report("KeyError: 'planted'")).start()
+    with pytest.raises(PeerFailure, match=r"the step failed on rank 1: KeyError: 'planted'"):
+        polling.poll(_Channel(empty=10**9).receive, "an activation", peer=1)
+
+
+def test_a_silent_peer_times_out_a_poll_as_a_wait() -> None:
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=0.2)
+    with pytest.raises(PeerFailure, match=r"rank 0 waited 0.2 s for a gradient from rank 3; "):
+        guard.poll(_Channel(empty=10**9).receive, "a gradient", peer=3)
+
+
+def test_a_closed_channel_names_the_origin_of_the_failure_or_the_peer() -> None:
+    store = _store()
+    guard = Guard(store, "pipe", 0, 30)
+    channel = _Channel()
+    channel.error = ConnectionError("the sending process died\ntrace")
+    with pytest.raises(PeerFailure, match=r"^gpipe_fast: rank 0 lost a skip from rank 2: the "
+                       r"sending process died$"):  # fmt: skip
+        guard.poll(channel.receive, "a skip", peer=2)
+    Guard(store, "pipe", 2, 30).report("ValueError: first")  # it closed its rings after this
+    with pytest.raises(PeerFailure, match=r"the step failed on rank 2: ValueError: first"):
+        guard.poll(channel.receive, "a skip", peer=2)
