@@ -1,7 +1,8 @@
 """Two processes: gpipe_fast against torch.distributed.pipelining, as users run them.
 
 Every schedule of ours against torch's same-named one, on two workloads, one process per
-rank (gloo over 127.0.0.1), with a real loss (MSE against a target) and an SGD step, and the
+rank (gloo over 127.0.0.1; our tensors between the ranks go through shared memory unless
+GPIPE_FAST_TRANSPORT=gloo), with a real loss (MSE against a target) and an SGD step, and the
 thread settings left as the user left them (run with and without OMP_NUM_THREADS=1):
 
 - compute-bound: 8 x (Linear(1024, 1024) + ReLU), batch 256, M = 8;
@@ -28,6 +29,7 @@ communication (sends on the compute worker, receives on their own) and idle time
 
     python bench/side_by_side_processes.py [--workload compute|overhead|both] [--rounds 10]
     OMP_NUM_THREADS=1 python bench/side_by_side_processes.py ...
+    GPIPE_FAST_TRANSPORT=gloo python bench/side_by_side_processes.py ...   (ours over gloo)
 """
 
 from __future__ import annotations
@@ -259,9 +261,11 @@ def main() -> int:
     omp = os.environ.get("OMP_NUM_THREADS")
     workers = WorkerPair(worker, REPLY_TIMEOUT_S)
     threads = workers.ready
+    # Ours between the two ranks: shared memory unless the workers inherit this setting.
+    transport = os.environ.get("GPIPE_FAST_TRANSPORT") or "shared memory"
     print(f"OMP_NUM_THREADS={omp or 'unset'}; intra-op threads per rank at start: {threads}; "
-          f"{args.rounds} rounds, medians")  # fmt: skip
-    results: dict[str, Any] = {"omp_num_threads": omp, "threads": threads}
+          f"ours over {transport}; {args.rounds} rounds, medians")  # fmt: skip
+    results: dict[str, Any] = {"omp_num_threads": omp, "threads": threads, "transport": transport}
     try:
         for workload in workloads:
             names = [f"{workload}/{n}" for pair in PAIRS for n in pair if n is not None]
