@@ -142,7 +142,8 @@ class DistTransport:
                 sender.send(tag, [(t.data_ptr(), t.numel() * t.element_size()) for t in parts])
             except ConnectionError as error:
                 self.guard.check()
-                raise self.guard.lost(f"the channel to send {what}", peer, error) from error
+                channel = f"its channel to rank {peer} (sending {what})"
+                raise self.guard.lost(channel, None, error) from error
             return
         header = wire.encode(payload, self.device, self.inline_bytes)
         buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
