@@ -8,8 +8,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    (skippable layers, their trackers and layout)
 3. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
 4. transport/ (the Transport protocol, the in-process transport, the wire header)
-5. distributed/ (layouts, guard, process groups, reductions, dist transport, the
-   cross-process step driver)
+5. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
+   shared-memory links, the cross-process step driver)
 6. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
 7. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
 8. api/ (GPipe and the modules it is split into)

@@ -172,7 +172,7 @@ class DistTransport:
             message = self.guard.poll(lambda seconds: ring.receive(tag, seconds), what, peer)
             # The header then each tensor at an aligned offset, as an inline message is laid
             # out: the tensors are views of the received bytes (they keep them alive).
-            received = torch.frombuffer(message, dtype=torch.int64)  # type: ignore[call-overload]
+            received = torch.frombuffer(message, dtype=torch.int64)
             is_tuple, entries = wire.layout(received)
             return wire.assemble(is_tuple, wire.inline(received, entries))
         request, header = posted or self._post_header(peer, tag)
