@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.runtime.step import Step
@@ -64,7 +65,18 @@ class Runner:
     def execute(self, schedule: Any, step: Step, phase: str) -> None:
         """One run of `schedule`, each task dispatched to `step`."""
         with self._lock:
-            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
+            own = None
+            try:
+                self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
+            except PeerFailure:
+                # A wait that ended because a task of this rank failed (its rings closed,
+                # its failure in the store) may reach the executor before that task's own
+                # error does: the task's error is the step's.
+                own = step.own_error
+                if own is None:
+                    raise
+            if own is not None:
+                raise own
             if step.spans is not None and self.recording:
                 step.spans[phase] = (schedule, self.executor.last_spans())
                 self.recorded = step.spans

@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.microbatch import Value
 from gpipe_fast.runtime.context import LossFn, StageServices, StepContext
@@ -83,6 +84,8 @@ class Step:
         """`microbatches`: the input's, when this process runs cell 0 (else empty, and
         `count` says how many there are)."""
         self.report = pipeline.task_failed
+        # The first error a task of this step raised itself (not another rank's failure).
+        self.own_error: BaseException | None = None
         self.count = len(microbatches) if count is None else count
         self.first_input = microbatches[0] if microbatches else None
         self.track = track
@@ -135,6 +138,8 @@ class Step:
             annotate(error, stage, microbatch, self.action_names[action], copying=copying)
             if owner is not None:
                 owner.copying = False
+            if self.own_error is None and not isinstance(error, PeerFailure):
+                self.own_error = error
             self.report(error)
             raise
 
