@@ -1,10 +1,13 @@
 """Draws the guide's pictures into docs/images: each schedule's simulated timeline (equal task
-costs) and a recorded step of the demo. Run from the repository root: python docs/pictures.py
-(needs matplotlib)."""
+costs), a recorded step of the demo, and one of the U-Net across two processes with its skip
+transfers. Run from the repository root: python docs/pictures.py (needs matplotlib)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -53,6 +56,15 @@ def recorded() -> gf.Timeline:
         pipe.close()
 
 
+def unet_across_processes(path: Path) -> None:
+    """The demo's U-Net on two processes (its recorded step's timeline, every rank's rows)."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "gpipe_fast", "demo", "--model", "unet",
+                   "--processes", "2", "--steps", "20", "--out", out]  # fmt: skip
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        shutil.copy(Path(out) / "timeline.png", path)
+
+
 def main() -> int:
     IMAGES.mkdir(exist_ok=True)
     for kind in SCHEDULES:
@@ -61,6 +73,9 @@ def main() -> int:
         print(f"wrote {path}")
     path = IMAGES / "demo-timeline.png"
     recorded().plot(str(path))
+    print(f"wrote {path}")
+    path = IMAGES / "unet-processes-timeline.png"
+    unet_across_processes(path)
     print(f"wrote {path}")
     return 0
 
