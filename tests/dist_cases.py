@@ -333,14 +333,17 @@ def skips(
     balance: list[int],
     batches: list[int],
     seed: int,
+    step_seed: int | None = None,
 ) -> dict[str, Any]:
-    """A skip_models scenario (seeded by `seed`, float64) trained across the world's ranks:
-    per step of `batches` sizes (fresh inputs, seeded by the step) the loss, this rank's
-    gradients, and the evaluation's loss; the values left in the transport after a step."""
-    from skip_models import SCENARIOS
+    """A skip_models scenario (seeded by `seed`, float64; "dropout" for skip_models.dropout)
+    trained across the world's ranks: per step of `batches` sizes (fresh inputs, seeded by
+    the step) the loss, this rank's gradients, and the evaluation's loss. With `step_seed`,
+    every rank seeds torch with step_seed + step before each step (the pipe draws the
+    step's random seed from it)."""
+    from skip_models import SCENARIOS, dropout
 
     torch.manual_seed(seed)
-    net = SCENARIOS[scenario]().double()
+    net = (dropout if scenario == "dropout" else SCENARIOS[scenario])().double()
     pipe = gf.GPipe(
         net, balance, chunks=3, checkpoint=checkpoint, schedule=schedule,
         pp_group=dist.group.WORLD, timeout=60,
@@ -350,6 +353,8 @@ def skips(
         for step, size in enumerate(batches):
             x, y = batch(size, seed=300 + step)
             pipe.zero_grad(set_to_none=True)
+            if step_seed is not None:
+                torch.manual_seed(step_seed + step)
             loss = pipe.train_step(x, y, nn.functional.mse_loss)
             evaluated = pipe.eval_step(x, y, nn.functional.mse_loss)
             steps.append(

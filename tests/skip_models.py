@@ -248,3 +248,8 @@ SCENARIOS: dict[str, Callable[[], nn.Sequential]] = {
     "no_grad": _no_grad,
     "none": _none,
 }
+
+
+def dropout() -> nn.Sequential:
+    """A skip whose stashed tensor went through Dropout: a recomputation must replay its mask."""
+    return nn.Sequential(linear(), DropDown(), nn.Tanh(), linear(), DropUp(), linear())

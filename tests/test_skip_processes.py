@@ -9,9 +9,10 @@ import dist_cases
 import pytest
 import torch
 from cluster import Cluster, values
-from skip_models import SCENARIOS
+from skip_models import SCENARIOS, dropout
 from torch import nn
 
+import gpipe_fast as gf
 from gpipe_fast import _C
 
 BATCHES = [7, 12]  # uneven, then even micro-batches (chunks=3)
@@ -184,3 +185,40 @@ def test_many_steps_with_skips_between_processes_leave_nothing_behind(
     for result in values(two.run("skips_soak", schedule=schedule, steps=300)):
         before, after = result["counts"]
         assert after == before, result  # (live tensors, threads) after warm-up and at the end
+
+
+def test_dropout_in_a_stashing_cell_is_replayed_across_processes(two: Cluster) -> None:
+    # The stashing cell's recomputation ("always") re-stashes the same dropped-out values
+    # as its forward did ("never"), and both equal the pipe in one process seeded alike.
+    runs = {}
+    for checkpoint in ("never", "always"):
+        runs[checkpoint] = values(
+            two.run("skips", scenario="dropout", schedule="1f1b", checkpoint=checkpoint,
+                    balance=[3, 3], batches=BATCHES, seed=6, step_seed=1234)
+        )  # fmt: skip
+    torch.manual_seed(6)
+    model = dropout().double()
+    pipe = gf.GPipe(model, [3, 3], devices=["cpu", "cpu"], chunks=3, schedule="1f1b")
+    try:
+        for step, size in enumerate(BATCHES):
+            x, y = dist_cases.batch(size, seed=300 + step)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1234 + step)
+            loss = pipe.train_step(x, y, nn.functional.mse_loss).item()
+            grads = dict(pipe.state_dict(keep_vars=True))
+            for checkpoint, results in runs.items():
+                assert results[1]["steps"][step]["loss"] == pytest.approx(loss, rel=1e-12)
+                for result in results:
+                    for name, grad in result["steps"][step]["grads"].items():
+                        torch.testing.assert_close(
+                            torch.tensor(grad, dtype=torch.float64), grads[name].grad,
+                            rtol=1e-10, atol=1e-12, msg=f"{checkpoint}, step {step}, {name}",
+                        )  # fmt: skip
+            # Dropout did drop: not the loss of the model in evaluation mode.
+            with torch.no_grad():
+                assert loss != pytest.approx(
+                    nn.functional.mse_loss(model.eval()(x), y).item(), rel=1e-6
+                )
+            model.train()
+    finally:
+        pipe.close()
