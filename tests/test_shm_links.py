@@ -92,6 +92,13 @@ def test_an_unknown_transport_is_refused(two: Cluster) -> None:
                       pp=2, dp=1)  # fmt: skip
     for reply in replies:
         assert reply.error_type == "ValueError" and "carrier-pigeon" in reply.error, reply
+    # Set on one rank only: every rank refuses it at once (none waits for the others).
+    replies = two.run("with_env", env={ENV: "carrier-pigeon"}, only=[1], case="train",
+                      schedule="1f1b", layers=2, balance=[2, 2], chunks=2, checkpoint="never",
+                      batches=[4], pp=2, dp=1)  # fmt: skip
+    assert replies[1].error_type == "ValueError" and "carrier-pigeon" in replies[1].error
+    assert replies[0].error_type == "ValueError", replies[0]
+    assert f"{ENV} on another rank of the pipe" in replies[0].error  # not a timeout's error
 
 
 def test_a_failure_over_shared_memory_reaches_every_rank_and_leaves_nothing(

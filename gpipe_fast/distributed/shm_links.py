@@ -113,20 +113,23 @@ def connect(
             backend, f"the cells run on {device.type}: shared memory carries CPU tensors only"
         )
     choice = os.environ.get(ENV, "").strip().lower()
-    if choice not in ("", "auto", "gloo"):
-        raise ValueError(f"{ENV}={choice!r}: give 'gloo' (or leave it unset: shared memory "
-                         "between the ranks of one host)")  # fmt: skip
+    # 0: shared memory where it can, 1: the backend, 2: a value this rank cannot read.
+    wants = {"": 0, "auto": 0, "gloo": 1}.get(choice, 2)
     ranks = layout.pp_ranks
     every = routes(layout, skips)
     rings = {(s, r, n) for s, r, n in every if hosts.same_host(ranks[s], ranks[r])}
     if not rings:
+        if wants == 2:
+            raise _bad_choice(choice)
         return None, TransportChoice(backend, "no two ranks that exchange tensors share a host")
     me = layout.pp_index
     # Agreed by every rank: whether any wants the backend, and the rings' names (a random
     # token of the group's first rank: unique per job, pipe and attempt).
     token = int.from_bytes(os.urandom(8), "big") >> 1 if me == 0 else 0
-    agreed = torch.tensor([int(choice == "gloo"), token], dtype=torch.int64)
+    agreed = torch.tensor([wants, token], dtype=torch.int64)
     _all_max(agreed, layout, guard, "the ranks' choice of transport")
+    if agreed[0] == 2:  # every rank raises, not only the one with the bad value
+        raise _bad_choice(choice if wants == 2 else None)
     if agreed[0]:
         where = "on this rank" if choice == "gloo" else "on another rank of the pipe"
         return None, TransportChoice(backend, f"{ENV}=gloo {where}")
@@ -161,6 +164,13 @@ def connect(
         f"{SHARED_MEMORY} and {backend}",
         f"shared memory between ranks of one host, {backend} between hosts",
     )
+
+
+def _bad_choice(choice: str | None) -> ValueError:
+    """The error for an unknown GPIPE_FAST_TRANSPORT: this rank's value, or another rank's."""
+    where = f"{ENV}={choice!r}" if choice is not None else f"{ENV} on another rank of the pipe"
+    return ValueError(f"{where}: give 'gloo' (or leave it unset: shared memory between the "
+                      "ranks of one host)")  # fmt: skip
 
 
 def _all_max(value: torch.Tensor, layout: ProcessLayout, guard: Guard, what: str) -> None:
