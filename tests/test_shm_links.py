@@ -10,25 +10,13 @@ from test_multiprocess import _check_steps
 from gpipe_fast import _C
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import ENV, lane, routes
+from gpipe_fast.skip.layout import SkipLayout, SkipRoute
 from gpipe_fast.transport import wire
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
 
 
 def _layout(stage_ranks: tuple[int, ...], ranks: int = 2) -> ProcessLayout:
     return ProcessLayout(None, None, tuple(range(ranks)), 0, len(stage_ranks), stage_ranks)
-
-
-class _Route:
-    def __init__(self, stash: int, pop: int) -> None:
-        self.stash_cell, self.pop_cell = stash, pop
-
-
-class _Skips:
-    def __init__(self, *pairs: tuple[int, int]) -> None:
-        self.pairs = pairs
-
-    def crossing(self) -> list[_Route]:
-        return [_Route(*pair) for pair in self.pairs]
 
 
 def test_each_flow_has_its_own_lane() -> None:
@@ -52,7 +40,8 @@ def test_rings_follow_the_boundaries_between_ranks() -> None:
     chain = _layout((0, 1, 2), ranks=3)
     assert {(s, r) for s, r, _ in routes(chain, None)} == {(0, 1), (1, 0), (1, 2), (2, 1)}
     # ... unless a skip goes from cell 0 to cell 2, past rank 1.
-    skipped = routes(chain, _Skips((0, 2), (1, 1)))  # type: ignore[arg-type]
+    skips = SkipLayout(3, [SkipRoute(None, "far", 0, 2), SkipRoute(None, "inside", 1, 1)])
+    skipped = routes(chain, skips)
     assert {(0, 2, 0), (2, 0, 1)} <= skipped
     assert len(skipped) == 6
 

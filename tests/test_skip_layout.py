@@ -102,6 +102,21 @@ def test_namespaces_and_the_default_mixed() -> None:
     assert list(layout.copy_policy(2)) == [(0, ns1, "down"), (0, None, "down"), (1, ns2, "down")]
 
 
+def test_pairs_group_the_crossing_skips_by_their_cells() -> None:
+    ns1, ns2 = Namespace(), Namespace()
+    parts = [
+        nn.Sequential(Down().isolate(ns1), Down(), StashBar()),
+        nn.Sequential(Down().isolate(ns2), PopBar()),
+        nn.Sequential(Up().isolate(ns2), Up(), Up().isolate(ns1)),
+    ]
+    layout = inspect_skip_layout(parts)
+    assert layout.pairs() == {
+        (0, 2): [(ns1, "down"), (None, "down")],
+        (0, 1): [(None, "bar")],
+        (1, 2): [(ns2, "down")],
+    }
+
+
 def test_mixed_inside_and_crossing() -> None:
     layout = inspect_skip_layout([nn.Sequential(StashBar(), Down(), PopBar()), nn.Sequential(Up())])
     assert layout.inside() == [SkipRoute(None, "bar", 0, 0)]

@@ -47,7 +47,7 @@ class DistTransport:
         layout: ProcessLayout,
         guard: Guard,
         device: torch.device,
-        skips: SkipLayout | None = None,
+        skips: dict[tuple[int, int], list[Hashable]] | None = None,
         links: ShmLinks | None = None,
     ) -> None:
         self.local = local
@@ -64,14 +64,10 @@ class DistTransport:
         # Sends posted and not yet known complete: (requests, what, peer); their tensors are
         # kept alive by the requests' buffers until then.
         self.sends: list[tuple[list[Any], list[Tensor], str, int]] = []
-        # The skip pairs between processes, (stash, pop) -> their keys in the layout's order
-        # (the same on every rank), numbered for their tags; the values send_skip left for
-        # another process: (flow, sending stage, receiving stage, m, key) -> value.
-        self.skip_pairs: dict[tuple[int, int], list[Hashable]] = {}
-        for route in skips.crossing() if skips is not None else ():
-            pair = (route.stash_cell, route.pop_cell)
-            if layout.stage_rank(pair[0]) != layout.stage_rank(pair[1]):
-                self.skip_pairs.setdefault(pair, []).append(route.key)
+        # The skip pairs between processes (skips_between_ranks: the same on every rank),
+        # numbered for their tags; the values send_skip left for another process:
+        # (flow, sending stage, receiving stage, m, key) -> value.
+        self.skip_pairs = skips or {}
         self.skip_tags = {pair: i for i, pair in enumerate(sorted(self.skip_pairs))}
         self.skip_outbox: dict[tuple[Flow, int, int, int, Hashable], Tensor | None] = {}
 
@@ -281,17 +277,30 @@ class DistTransport:
         return self.local.pending() + len(self.outbox) + len(self.skip_outbox)
 
 
+def skips_between_ranks(
+    layout: ProcessLayout, skips: SkipLayout | None
+) -> dict[tuple[int, int], list[Hashable]]:
+    """The skip pairs whose stash and pop cells run on two ranks, (stash, pop) -> their keys
+    in the layout's order: what a DistTransport sends as messages (found once per pipe)."""
+    pairs = skips.pairs() if skips is not None else {}
+    return {
+        pair: list(keys)
+        for pair, keys in pairs.items()
+        if layout.stage_rank(pair[0]) != layout.stage_rank(pair[1])
+    }
+
+
 def make_transport(
     streams: CellStreams,
     devices: Sequence[torch.device],
     layout: ProcessLayout,
     guard: Guard | None,
-    skips: SkipLayout | None = None,
+    skips: dict[tuple[int, int], list[Hashable]] | None = None,
     links: ShmLinks | None = None,
 ) -> Transport:
     """A step's transport: in-process when every stage runs here, else across the pipeline
     group's processes (bounded by `guard`; over `links` where the pipe has a shared-memory
-    ring), carrying `skips` between them too."""
+    ring), carrying the skip pairs between ranks (`skips`, see skips_between_ranks) too."""
     local = LocalTransport(streams, devices)
     if not layout.multi_process:
         return local

@@ -80,7 +80,7 @@ def routes(layout: ProcessLayout, skips: SkipLayout | None) -> set[tuple[int, in
     messages: a boundary between cells of two ranks (activations one way, gradients back),
     and a skip pair between two ranks (skips, their gradients back). The same on every rank."""
     pairs = [(k, k + 1) for k in range(layout.stages - 1)]
-    pairs += [(r.stash_cell, r.pop_cell) for r in (skips.crossing() if skips else ())]
+    pairs += list(skips.pairs()) if skips else []
     found = set()
     for first, second in pairs:
         a, b = layout.stage_rank(first), layout.stage_rank(second)

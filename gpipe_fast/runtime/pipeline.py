@@ -27,7 +27,7 @@ from gpipe_fast import _C
 from gpipe_fast.arguments import check_loss_arguments
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.dist_transport import make_transport
+from gpipe_fast.distributed.dist_transport import make_transport, skips_between_ranks
 from gpipe_fast.distributed.driver import CrossProcess
 from gpipe_fast.distributed.grad_reduce import sum_gradients
 from gpipe_fast.distributed.host_peers import HostPeers, host_peers
@@ -134,8 +134,10 @@ class Pipeline:
             worker_ranks=worker_ranks,
             rank=self.layout.pp_index,
             reduce_grad=reduce_grad,
-            skips=sorted({(r.stash_cell, r.pop_cell) for r in skips.crossing()}) if skips else (),
+            skips=sorted(skips.pairs()) if skips else (),
         )
+        # The skip pairs sent between this pipe's ranks, found once for every step's transport.
+        self.skips_between_ranks = skips_between_ranks(self.layout, skips)
         self.groups = (
             ProcessGroups(self.layout, self.devices[self.layout.local_stages[0]], timeout_s)
             if self.layout.multi_process or reduce_grad
@@ -229,7 +231,7 @@ class Pipeline:
         """A step's transport: in-process, or across the pipeline group's processes."""
         guard = self.groups.guard if self.groups is not None else None
         return make_transport(
-            self.streams, self.devices, self.layout, guard, self.services.skips, self.links
+            self.streams, self.devices, self.layout, guard, self.skips_between_ranks, self.links
         )
 
     def task_failed(self, error: BaseException) -> None:

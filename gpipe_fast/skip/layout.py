@@ -74,6 +74,14 @@ class SkipLayout:
         """Keys of the skips that cell ``cell`` pops from earlier cells."""
         return [r.key for r in self._sorted() if r.crosses and r.pop_cell == cell]
 
+    def pairs(self) -> dict[tuple[int, int], list[SkipKey]]:
+        """The crossing skips grouped by (stash cell, pop cell), each group's keys in the
+        layout's order: what a runtime carries as one transfer per pair and micro-batch."""
+        grouped: dict[tuple[int, int], list[SkipKey]] = {}
+        for route in self.crossing():
+            grouped.setdefault((route.stash_cell, route.pop_cell), []).append(route.key)
+        return grouped
+
     def passes(self, cell: int) -> list[SkipKey]:
         """Keys of the skips stashed before cell ``cell`` and popped after it."""
         return [r.key for r in self._sorted() if r.stash_cell < cell < r.pop_cell]
