@@ -107,6 +107,7 @@ def rank_schedule(
     reduce_grad: bool,
     rank: int,
     skips: Sequence[tuple[int, int]] = ...,
+    inline_receives: Sequence[int] = ...,
 ) -> Schedule: ...
 def rank_forward_schedule(
     kind: str,
@@ -117,6 +118,7 @@ def rank_forward_schedule(
     worker_ranks: Sequence[int],
     rank: int,
     skips: Sequence[tuple[int, int]] = ...,
+    inline_receives: Sequence[int] = ...,
 ) -> Schedule: ...
 def lowered_program(
     kind: str,
@@ -127,6 +129,7 @@ def lowered_program(
     worker_ranks: Sequence[int],
     reduce_grad: bool,
     skips: Sequence[tuple[int, int]] = ...,
+    inline_receives: Sequence[int] = ...,
 ) -> tuple[Program, list[int]]: ...
 
 class SimulatedTimeline:

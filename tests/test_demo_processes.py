@@ -28,8 +28,8 @@ def test_demo_across_two_processes(tmp_path: Path) -> None:
     assert "tensors between processes: shared memory (" in result.stdout, output
     trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert rows == {f"rank {r} {what}" for r in (0, 1) for what in
-                    ("compute", "receiving activations", "receiving gradients")}  # fmt: skip
+    # Over shared memory each compute worker takes its messages itself: no receiving rows.
+    assert rows == {"rank 0 compute", "rank 1 compute"}
     kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "backward", "loss", "send_forward", "recv_forward"} <= kinds
 
@@ -50,9 +50,9 @@ def test_the_unet_across_two_processes_sends_its_skips_between_them(tmp_path: Pa
     # their own sends and receives on the timeline, on the ranks at either end.
     where = {(e["cat"], rows[e["tid"]]) for e in spans}
     assert ("send_skips", "rank 0 compute") in where, where
-    assert ("recv_skips", "rank 1 receiving activations") in where
+    assert ("recv_skips", "rank 1 compute") in where
     assert ("send_skip_grads", "rank 1 compute") in where
-    assert ("recv_skip_grads", "rank 0 receiving gradients") in where
+    assert ("recv_skip_grads", "rank 0 compute") in where
 
 
 def _span(kind: str, cell: int, start: float, end: float, worker: int) -> TaskSpan:
@@ -63,15 +63,27 @@ def test_merged_timeline_puts_each_ranks_workers_on_rows_of_their_own() -> None:
     rank0 = [_span("forward", 0, 1.0, 2.0, 0), _span("send_forward", 0, 2.0, 2.5, 0)]
     rank1 = [_span("recv_forward", 1, 1.5, 2.6, 1), _span("forward", 1, 2.6, 3.0, 0)]
     timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="1f1b")
-    assert timeline.row_names[:4] == (
-        "rank 0 compute", "rank 0 receiving activations", "rank 0 receiving gradients",
-        "rank 1 compute",
+    # A row per worker that ran a task, and per compute worker.
+    assert timeline.row_names == (
+        "rank 0 compute", "rank 1 compute", "rank 1 receiving activations",
     )  # fmt: skip
     assert [(s.kind, s.worker) for s in timeline.spans] == [
-        ("forward", 0), ("recv_forward", 4), ("send_forward", 0), ("forward", 3),
+        ("forward", 0), ("recv_forward", 2), ("send_forward", 0), ("forward", 1),
     ]  # fmt: skip
     assert timeline.spans[0].start_s == 0.0  # the earliest span starts the step
     # The bubble counts the computing rows only; communication is reported apart.
-    assert timeline.compute_rows() == [0, 3]
+    assert timeline.compute_rows() == [0, 1]
     assert communication_ms(timeline, 0) == pytest.approx((500.0, 0.0))
     assert communication_ms(timeline, 1) == pytest.approx((0.0, 1100.0))
+
+
+def test_a_receive_on_the_compute_worker_counts_as_idle_in_the_bubble() -> None:
+    # Over shared memory rank 1's compute worker waits for its message itself.
+    rank0 = [_span("forward", 0, 0.0, 1.0, 0), _span("send_forward", 0, 1.0, 1.0, 0)]
+    rank1 = [_span("recv_forward", 1, 0.0, 1.0, 0), _span("forward", 1, 1.0, 2.0, 0)]
+    timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="gpipe")
+    assert timeline.row_names == ("rank 0 compute", "rank 1 compute")
+    assert timeline.working(1) == pytest.approx(1.0)
+    assert timeline.busy(1) == pytest.approx(2.0)
+    # Two rows over 2 s, each working 1 s: half of it idle.
+    assert timeline.bubble() == pytest.approx(0.5)

@@ -217,46 +217,54 @@ void bind_schedule(py::module_& m) {
       "rank_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches,
          const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad, int rank,
-         const SkipPairs& skips) {
+         const SkipPairs& skips, const std::vector<int>& inline_receives) {
         return std::make_shared<Schedule>(rank_schedule(kind, stages, workers, microbatches,
                                                         parse_checkpoint(checkpoint),
                                                         std::move(worker_ranks), reduce_grad, rank,
-                                                        skips));
+                                                        skips, inline_receives));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"), py::arg("rank"),
-      py::arg("skips") = SkipPairs{},
+      py::arg("skips") = SkipPairs{}, py::arg("inline_receives") = std::vector<int>{},
       "Rank `rank`'s schedule of a kind lowered onto ranks (compute worker w on "
       "worker_ranks[w]): its compute workers, then its communication workers (sends, receives, "
       "gradient reductions), and the sends and receives of `skips` ((stash stage, pop stage) "
-      "pairs of skip connections) between ranks. Dry-run first across every rank.");
+      "pairs of skip connections) between ranks; the ranks in `inline_receives` receive on "
+      "their compute workers, right before the task that needs each message. Dry-run first "
+      "across every rank.");
   m.def(
       "rank_forward_schedule",
       [](const std::string& kind, int stages, int workers, int microbatches, bool loss,
-         std::vector<int> worker_ranks, int rank, const SkipPairs& skips) {
-        return std::make_shared<Schedule>(rank_forward_schedule(
-            kind, stages, workers, microbatches, loss, std::move(worker_ranks), rank, skips));
+         std::vector<int> worker_ranks, int rank, const SkipPairs& skips,
+         const std::vector<int>& inline_receives) {
+        return std::make_shared<Schedule>(rank_forward_schedule(kind, stages, workers,
+                                                                microbatches, loss,
+                                                                std::move(worker_ranks), rank,
+                                                                skips, inline_receives));
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("loss"), py::arg("worker_ranks"), py::arg("rank"), py::arg("skips") = SkipPairs{},
+      py::arg("inline_receives") = std::vector<int>{},
       "Rank `rank`'s forward-only schedule (see forward_program) lowered onto ranks like "
-      "rank_schedule: sends after the forwards, receives on the communication workers, no "
+      "rank_schedule: sends after the forwards, receives on the communication workers (or "
+      "inline), no "
       "gradient and no reduction. Dry-run first across every rank.");
   m.def(
       "lowered_program",
       [](const std::string& kind, int stages, int workers, int microbatches,
          const std::string& checkpoint, std::vector<int> worker_ranks, bool reduce_grad,
-         const SkipPairs& skips) {
+         const SkipPairs& skips, const std::vector<int>& inline_receives) {
         const Lowered lowered = lower_schedule(kind, stages, workers, microbatches,
                                                parse_checkpoint(checkpoint),
-                                               std::move(worker_ranks), reduce_grad, skips);
+                                               std::move(worker_ranks), reduce_grad, skips,
+                                               inline_receives);
         return py::make_tuple(to_python(lowered.program), lowered.worker_rank);
       },
       py::arg("kind"), py::arg("stages"), py::arg("workers"), py::arg("microbatches"),
       py::arg("checkpoint"), py::arg("worker_ranks"), py::arg("reduce_grad"),
-      py::arg("skips") = SkipPairs{},
+      py::arg("skips") = SkipPairs{}, py::arg("inline_receives") = std::vector<int>{},
       "Every worker's lowered program and rank: compute workers, then two communication "
-      "workers per rank.");
+      "workers per rank (empty of receives for the ranks in `inline_receives`).");
   m.def(
       "dry_run",
       [](const Schedule& schedule) {

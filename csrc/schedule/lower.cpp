@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -42,7 +43,8 @@ ExtraNeeds skip_matches(const SkipPairs& skips) {
 }  // namespace
 
 Lowered lower(const Program& program, int stages, int microbatches, std::vector<int> stage_worker,
-              std::vector<int> worker_rank, bool reduce_grad, const SkipPairs& skips) {
+              std::vector<int> worker_rank, bool reduce_grad, const SkipPairs& skips,
+              const std::vector<int>& inline_receives) {
   const Schedule plain = link(program, stages, microbatches, stage_worker);
   plain.validate();
   const int compute = plain.workers();
@@ -139,16 +141,41 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     }
   }
 
+  // The receives of the ranks that take them inline: each goes right before the first
+  // task of its stage's compute worker that needs the message.
+  std::set<std::tuple<ActionId, int, int>> inlined;  // (action, stage, micro-batch)
+  std::vector<char> inline_rank(static_cast<std::size_t>(ranks), 0);
+  for (int rank : inline_receives) {
+    GF_EXPECTS(rank >= 0 && rank < ranks, "inline_receives names rank " + std::to_string(rank) +
+                                              " of " + std::to_string(ranks));
+    inline_rank[static_cast<std::size_t>(rank)] = 1;
+    for (const auto& [key, task] : comm[static_cast<std::size_t>(rank)]) {
+      if (task.action != ReduceGrad) inlined.insert({task.action, task.stage, task.microbatch});
+    }
+  }
+  auto take = [&](std::vector<TaskKey>& out, TaskKey receive) {
+    if (inlined.erase({receive.action, receive.stage, receive.microbatch}) != 0) out.push_back(receive);
+  };
+
   Lowered lowered;
   for (int worker = 0; worker < compute; ++worker) {
     auto& out = lowered.program.emplace_back();
     const auto& order = program[static_cast<std::size_t>(worker)];
     for (std::size_t i = 0; i < order.size(); ++i) {
-      out.push_back(order[i]);
+      const TaskKey& task = order[i];
+      if (task.action == Forward) {
+        take(out, {RecvForward, task.stage, task.microbatch});
+        take(out, {RecvSkips, task.stage, task.microbatch});
+      } else if (task.action == Backward || task.action == BackwardInput) {
+        take(out, {RecvBackward, task.stage, task.microbatch});
+        take(out, {RecvSkipGrads, task.stage, task.microbatch});
+      }
+      out.push_back(task);
       const auto sends = send_after.find({worker, static_cast<int>(i)});
       if (sends != send_after.end()) out.insert(out.end(), sends->second.begin(), sends->second.end());
     }
   }
+  GF_EXPECTS(inlined.empty(), "a receive of an inline rank has no task of its rank that needs it");
   lowered.compute_workers = compute;
   lowered.stage_worker = plain.stage_workers();
   lowered.worker_rank = worker_rank;
@@ -162,6 +189,7 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     std::vector<TaskKey> activations;
     std::vector<TaskKey> gradients;
     for (const auto& [key, task] : tasks) {
+      if (inline_rank[static_cast<std::size_t>(rank)] && task.action != ReduceGrad) continue;
       const bool forward = task.action == RecvForward || task.action == RecvSkips;
       (forward ? activations : gradients).push_back(task);
     }
@@ -203,9 +231,10 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
 
 Schedule rank_schedule(const Program& program, int stages, int microbatches,
                        std::vector<int> stage_worker, std::vector<int> worker_rank,
-                       bool reduce_grad, int rank, const SkipPairs& skips) {
+                       bool reduce_grad, int rank, const SkipPairs& skips,
+                       const std::vector<int>& inline_receives) {
   const Lowered lowered = lower(program, stages, microbatches, std::move(stage_worker),
-                                std::move(worker_rank), reduce_grad, skips);
+                                std::move(worker_rank), reduce_grad, skips, inline_receives);
   link_all(lowered, stages, microbatches).validate();  // every rank at once: no deadlock
   Schedule schedule = link_rank(lowered, stages, microbatches, rank);
   schedule.validate();
@@ -214,26 +243,27 @@ Schedule rank_schedule(const Program& program, int stages, int microbatches,
 
 Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       const SkipPairs& skips) {
+                       const SkipPairs& skips, const std::vector<int>& inline_receives) {
   return lower(make_program(kind, stages, workers, microbatches, checkpoint), stages,
                microbatches, placement(kind, stages, workers), std::move(worker_rank),
-               reduce_grad, skips);
+               reduce_grad, skips, inline_receives);
 }
 
 Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       int rank, const SkipPairs& skips) {
+                       int rank, const SkipPairs& skips, const std::vector<int>& inline_receives) {
   return rank_schedule(make_program(kind, stages, workers, microbatches, checkpoint), stages,
                        microbatches, placement(kind, stages, workers), std::move(worker_rank),
-                       reduce_grad, rank, skips);
+                       reduce_grad, rank, skips, inline_receives);
 }
 
 Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
                                int microbatches, bool loss, std::vector<int> worker_rank,
-                               int rank, const SkipPairs& skips) {
+                               int rank, const SkipPairs& skips,
+                               const std::vector<int>& inline_receives) {
   return rank_schedule(forward_only_program(kind, stages, workers, microbatches, loss), stages,
                        microbatches, placement(kind, stages, workers), std::move(worker_rank),
-                       false, rank, skips);
+                       false, rank, skips, inline_receives);
 }
 
 }  // namespace gpipe_fast

@@ -24,8 +24,9 @@ import gpipe_fast as gf
 from gpipe_fast.demo import report
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
-# Each process's workers: its compute worker (which also posts the sends) and the workers
-# receiving activations and gradients.
+# Each process's workers: its compute worker (which also posts the sends, and takes its
+# messages itself over shared memory) and the workers receiving activations and gradients
+# (idle over shared memory, but for the data-parallel reductions).
 _ROWS = ("compute", "receiving activations", "receiving gradients")
 
 
@@ -108,17 +109,19 @@ def _collect(results: Any, processes: list[Any]) -> list[dict[str, Any]] | None:
 
 def merged_timeline(spans_by_rank: list[list[TaskSpan]], cells: int, microbatches: int,
                     schedule: str) -> Timeline:  # fmt: skip
-    """One timeline of every rank's step: rank r's workers become rows 3r, 3r + 1 and 3r + 2
-    (the ranks share the host's steady clock)."""
-    rows_per_rank = len(_ROWS)
+    """One timeline of every rank's step, a row per worker that ran a task (and per compute
+    worker): rank by rank, its compute worker first (the ranks share the host's steady clock)."""
+    used = {(rank, s.row) for rank, ranks_spans in enumerate(spans_by_rank) for s in ranks_spans}
+    used |= {(rank, 0) for rank in range(len(spans_by_rank))}
+    row_of = {key: row for row, key in enumerate(sorted(used))}
     spans = [
-        replace(span, worker=rows_per_rank * rank + span.row)
+        replace(span, worker=row_of[(rank, span.row)])
         for rank, ranks_spans in enumerate(spans_by_rank)
         for span in ranks_spans
     ]
     origin = min((s.start_s for s in spans), default=0.0)
     spans = [replace(s, start_s=s.start_s - origin, end_s=s.end_s - origin) for s in spans]
-    rows = tuple(f"rank {r} {what}" for r in range(len(spans_by_rank)) for what in _ROWS)
+    rows = tuple(f"rank {rank} {_ROWS[worker]}" for rank, worker in sorted(used))
     spans.sort(key=lambda s: s.start_s)
     return Timeline(cells=cells, microbatches=microbatches, spans=spans, workers=len(rows),
                     schedule=schedule, row_names=rows)  # fmt: skip
@@ -169,9 +172,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if last < first else 1
 
 
+def rank_rows(timeline: Timeline, rank: int) -> list[int]:
+    """The rows of rank `rank`'s workers in a merged timeline, its compute worker first."""
+    prefix = f"rank {rank} "
+    return [row for row, name in enumerate(timeline.row_names) if name.startswith(prefix)]
+
+
 def communication_ms(timeline: Timeline, rank: int) -> tuple[float, float]:
     """(posting sends, receiving with the wait for the data) of one rank's workers, in ms."""
-    rows = range(len(_ROWS) * rank, len(_ROWS) * (rank + 1))
+    rows = rank_rows(timeline, rank)
     spans = [s for s in timeline.spans if s.row in rows]
     sends = sum(s.duration_s for s in spans if s.kind.startswith("send"))
     receives = sum(s.duration_s for s in spans if s.kind.startswith("recv"))
@@ -180,7 +189,9 @@ def communication_ms(timeline: Timeline, rank: int) -> tuple[float, float]:
 
 def _rank_line(timeline: Timeline, rank: int) -> str:
     sends, receives = communication_ms(timeline, rank)
-    compute = timeline.busy(len(_ROWS) * rank) - sends / 1e3  # the sends run on that worker
+    compute_row = rank_rows(timeline, rank)[0]
+    # The sends run on the compute worker, and so do the receives over shared memory.
+    compute = timeline.working(compute_row) - sends / 1e3
     return (
         f"rank {rank} computes {compute * 1e3:.1f} ms, posts sends {sends:.1f} ms, receives "
         f"{receives:.1f} ms (waiting for the data included)"

@@ -29,9 +29,10 @@ class DistTransport:
     micro-batch. Every wait is bounded by the guard.
 
     Between two ranks of one host on the CPU (`links`, the pipe's shared-memory rings) a
-    message is the header and every tensor at once, in the ring of its flow; the receiving
-    communication worker waits for it itself, in slices between which it looks for another
-    rank's failure, and views the tensors in the received bytes. Nothing is posted ahead
+    message is the header and every tensor at once, in the ring of its flow; the receive
+    task (on the compute worker that needs it: see ShmLinks.inline_ranks) waits for it
+    itself, in slices between which it looks for another rank's failure, and views the
+    tensors in the received bytes. Nothing is posted ahead
     (`expect`) and a send never waits: what does not fit in the ring is queued, and `finish`
     waits until it is in.
 

@@ -25,8 +25,8 @@ SHARED_MEMORY = "shared memory"
 
 
 def lane(flow: Flow) -> int:
-    """The ring of a flow: each has one receiving thread (communication worker) per process,
-    activations and skips on one, gradients and skips' gradients on the other."""
+    """The ring of a flow: activations and skips on one, gradients and skips' gradients on
+    the other, so that a message of either flow is never stuck behind the other's."""
     return 0 if flow == ACTIVATION else 1
 
 
@@ -46,9 +46,14 @@ class ShmLinks:
         self,
         senders: dict[tuple[int, int], _C.ShmSender],
         receivers: dict[tuple[int, int], _C.ShmReceiver],
+        inline_ranks: list[int],
     ) -> None:
         self.senders = senders
         self.receivers = receivers
+        # The pipeline group's positions that receive every message over shared memory (the
+        # same list on every rank): their compute worker takes each message itself, right
+        # before the task that needs it, a copy out of the ring with no thread hand-off.
+        self.inline_ranks = inline_ranks
 
     def sender(self, peer: int, flow: Flow) -> _C.ShmSender | None:
         return self.senders.get((peer, lane(flow)))
@@ -157,7 +162,9 @@ def connect(
     }  # fmt: skip
     for (peer, _), receiver in receivers.items():
         guard.poll(receiver.wait_attached, "its shared-memory ring to be attached", peer)
-    links = ShmLinks(senders, receivers)
+    inline = [r for r in range(layout.pp_size) if all(route in rings for route in every
+                                                      if route[1] == r)]  # fmt: skip
+    links = ShmLinks(senders, receivers, inline)
     if rings == every:
         return links, TransportChoice(SHARED_MEMORY, "the pipe's ranks share this host")
     return links, TransportChoice(

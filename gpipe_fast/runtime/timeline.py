@@ -221,6 +221,14 @@ class Timeline:
             raise ValueError(f"worker must be in [0, {self.rows}), got {worker}")
         return sum(s.duration_s for s in self.spans if s.row == worker and s.kind != "copy")
 
+    def working(self, worker: int) -> float:
+        """Seconds `worker` spent in tasks other than receives: a receive mostly waits for
+        its data (on a compute worker that takes its messages itself, that wait is idle)."""
+        receives = sum(
+            s.duration_s for s in self.spans if s.row == worker and s.kind.startswith("recv")
+        )
+        return self.busy(worker) - receives
+
     def compute_rows(self) -> list[int]:
         """The workers that compute (not those that only communicate)."""
         communication = communication_actions()
@@ -234,13 +242,14 @@ class Timeline:
         The phases are concatenated: each phase counts from its first task's start to its
         last task's end, and the gap between ``pipe(x)`` returning and the backward's first
         task (the loss, on the caller's thread) is not counted. Per-task overheads outside
-        the tasks' spans (the executor's hand-offs) count as idle.
+        the tasks' spans (the executor's hand-offs) count as idle, and so do the receives
+        that a compute worker runs itself (see :meth:`working`).
         """
         makespan = self.makespan
         if makespan <= 0:
             return 0.0
         rows = self.compute_rows()
-        busy = sum(self.busy(worker) for worker in rows)
+        busy = sum(self.working(worker) for worker in rows)
         return max(0.0, 1.0 - busy / (len(rows) * makespan))
 
     @property

@@ -16,10 +16,13 @@ class ScheduleCache:
 
     With `worker_ranks` (the rank of each compute worker; stages placed by the kind) or
     `reduce_grad`, a training step is lowered onto ranks: this process (`rank`) runs its
-    compute workers and one communication worker for the sends, receives and gradient
-    reductions; every rank's program is dry-run together once when the schedule is built.
+    compute workers (each send after the task that produced its tensor) and two
+    communication workers for the receives and gradient reductions; every rank's program is
+    dry-run together once when the schedule is built.
     `skips` are the (stash stage, pop stage) pairs of the model's skip connections: a pair
-    whose stages sit on two ranks gets its own sends and receives."""
+    whose stages sit on two ranks gets its own sends and receives. The ranks (positions in
+    the pipeline group) in `inline_receives` take their receives on the compute worker that
+    needs them (set once the pipe's transport is chosen: shared memory)."""
 
     def __init__(
         self,
@@ -41,6 +44,7 @@ class ScheduleCache:
         self.rank = rank
         self.reduce_grad = reduce_grad
         self.skips = list(skips)
+        self.inline_receives: list[int] = []
         self.capacity = capacity
         self._built: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
@@ -62,6 +66,7 @@ class ScheduleCache:
                 schedule = _C.rank_schedule(
                     self.kind, self.stages, self.workers, microbatches, checkpoint,
                     self.worker_ranks, self.reduce_grad, self.rank, self.skips,
+                    self.inline_receives,
                 )  # fmt: skip
             else:
                 schedule = _C.make_schedule(
@@ -80,7 +85,7 @@ class ScheduleCache:
             if self.lowered:
                 return _C.rank_forward_schedule(
                     self.kind, self.stages, self.workers, microbatches, loss,
-                    self.worker_ranks, self.rank, self.skips,
+                    self.worker_ranks, self.rank, self.skips, self.inline_receives,
                 )  # fmt: skip
             return _C.forward_schedule(self.kind, self.stages, self.workers, microbatches, loss)
 

@@ -1,4 +1,5 @@
 // Lowering onto ranks: communication workers, their order, and no deadlock across processes.
+#include <algorithm>
 #include <map>
 #include <random>
 #include <string>
@@ -149,6 +150,91 @@ TEST(lowered_forward_only_runs_send_activations_and_nothing_backward) {
     for (int rank = 0; rank < ranks; ++rank) {
       gpipe_fast::rank_schedule(program, stages, microbatches, stage_worker, ranks_of(ranks, ranks),
                                 false, rank);
+    }
+  }
+}
+
+TEST(inline_receives_run_on_the_compute_worker_right_before_their_task) {
+  // Both ranks take their messages themselves: each receive goes right before the forward
+  // or backward that needs it, and the communication workers are left empty.
+  const Lowered both =
+      gpipe_fast::lower(gpipe_fast::one_f_one_b_program(2, 2), 2, 2, {}, {0, 1}, false, {}, {0, 1});
+  CHECK_EQ(show(both.program[0]), std::string("F0.0 sF0.0 F0.1 sF0.1 rB0.0 B0.0 rB0.1 B0.1"));
+  CHECK_EQ(show(both.program[1]), std::string("rF1.0 F1.0 L1.0 B1.0 sB1.0 rF1.1 F1.1 L1.1 B1.1 sB1.1"));
+  for (std::size_t w = 2; w < both.program.size(); ++w) CHECK_EQ(show(both.program[w]), std::string(""));
+  CHECK(gpipe_fast::dry_run(gpipe_fast::link_all(both, 2, 2)).empty());
+  // Rank 1 only: rank 0 keeps its receiving worker; a reduction stays on the gradient worker.
+  const Lowered one =
+      gpipe_fast::lower(gpipe_fast::one_f_one_b_program(2, 2), 2, 2, {}, {0, 1}, true, {}, {1});
+  CHECK_EQ(show(one.program[0]), std::string("F0.0 sF0.0 F0.1 sF0.1 B0.0 B0.1"));
+  CHECK_EQ(show(one.program[3]), std::string("rB0.0 rB0.1 AR0.0"));
+  CHECK_EQ(show(one.program[1]).substr(0, 11), std::string("rF1.0 F1.0 "));
+  CHECK_EQ(show(one.program[4]), std::string(""));
+  CHECK_EQ(show(one.program[5]), std::string("AR1.0"));
+  gpipe_fast::link_all(one, 2, 2).validate();
+  CHECK_THROWS(gpipe_fast::lower(gpipe_fast::gpipe_program(2, 2), 2, 2, {}, {0, 1}, false, {}, {2}),
+               gpipe_fast::InvalidArgument);
+}
+
+TEST(inline_receives_never_deadlock_and_each_precedes_the_task_that_needs_it) {
+  std::mt19937 random(2024);
+  const char* kinds[] = {"gpipe", "1f1b", "zero_bubble", "interleaved"};
+  const Checkpoint modes[] = {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int ranks = 1 + static_cast<int>(random() % 5);
+    const int chunks = 1 + static_cast<int>(random() % 3);
+    const int microbatches = 1 + static_cast<int>(random() % 9);
+    const std::string kind = kinds[random() % 4];
+    const int stages = kind == "interleaved" ? ranks * chunks : ranks;
+    const bool forward_only = random() % 4 == 0;
+    const Program program =
+        forward_only ? gpipe_fast::forward_only_program(kind, stages, ranks, microbatches, true)
+                     : gpipe_fast::make_program(kind, stages, ranks, microbatches, modes[random() % 3]);
+    std::vector<int> stage_worker;
+    for (int s = 0; s < stages; ++s) stage_worker.push_back(s % ranks);
+    std::vector<int> inline_ranks;
+    for (int rank = 0; rank < ranks; ++rank) {
+      if (random() % 3 != 0) inline_ranks.push_back(rank);
+    }
+    // Skips from the first stage to every later stage: receives of their own.
+    gpipe_fast::SkipPairs skips;
+    for (int s = 1; s < stages && random() % 2 == 0; ++s) skips.emplace_back(0, s);
+    const Lowered l = gpipe_fast::lower(program, stages, microbatches, stage_worker,
+                                        ranks_of(ranks, ranks), random() % 2 == 0, skips,
+                                        inline_ranks);
+    const Schedule all = gpipe_fast::link_all(l, stages, microbatches);
+    CHECK(gpipe_fast::dry_run(all).empty());
+    all.validate();
+    for (int rank = 0; rank < ranks; ++rank) gpipe_fast::link_rank(l, stages, microbatches, rank).validate();
+    for (std::size_t w = 0; w < l.program.size(); ++w) {
+      const bool compute = static_cast<int>(w) < l.compute_workers;
+      const bool takes_inline = std::find(inline_ranks.begin(), inline_ranks.end(),
+                                          l.worker_rank[w]) != inline_ranks.end();
+      const auto& order = l.program[w];
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        const TaskKey& k = order[i];
+        const bool receive = k.action == action::RecvForward || k.action == action::RecvBackward ||
+                             k.action == action::RecvSkips || k.action == action::RecvSkipGrads;
+        if (!receive) continue;
+        CHECK(compute == takes_inline);  // an inline rank's receives are all on compute workers
+        if (!compute) continue;
+        std::size_t next = i + 1;  // the first task after this run of receives needs it
+        while (next < order.size() && (order[next].action == action::RecvForward ||
+                                       order[next].action == action::RecvBackward ||
+                                       order[next].action == action::RecvSkips ||
+                                       order[next].action == action::RecvSkipGrads)) {
+          ++next;
+        }
+        CHECK(next < order.size());
+        const TaskKey& user = order[next];
+        const bool forward = k.action == action::RecvForward || k.action == action::RecvSkips;
+        CHECK(user.stage == k.stage && user.microbatch == k.microbatch);
+        if (forward) {
+          CHECK(user.action == action::Forward);
+        } else {
+          CHECK(user.action == action::Backward || user.action == action::BackwardInput);
+        }
+      }
     }
   }
 }

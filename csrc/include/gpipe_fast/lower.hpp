@@ -24,6 +24,15 @@ namespace gpipe_fast {
 // waits for RecvSkips (one message per such stash stage) on its rank's activation worker;
 // in backward, SendSkipGrads after the popping stage's backward, RecvSkipGrads before the
 // stashing stage's, on the gradient worker. Pairs on one rank go through its memory.
+//
+// Inline receives: a rank of `inline_receives` runs each of its receives on the compute
+// worker of the receiving stage, right before the first task that needs the message (the
+// forward for activations and skips, the backward or input-gradient half for gradients), and
+// only its reductions on the gradient worker. Meant for a transport where a receive is a
+// copy out of memory shared with the sender, whose sends never wait (a ring with a queue):
+// the compute worker would wait for the message anyway, and receiving it there saves a
+// thread hand-off per message. Messages may then arrive before they are asked for (the
+// transport keeps them aside by tag); the dry run still proves that no rank waits forever.
 using SkipPairs = std::vector<std::pair<int, int>>;  // (stash stage, pop stage)
 
 struct Lowered {
@@ -42,7 +51,8 @@ struct Lowered {
 // transfers from one rank to another come in the same order on both sides.
 Lowered lower(const Program& program, int stages, int microbatches,
               std::vector<int> stage_worker = {}, std::vector<int> worker_rank = {},
-              bool reduce_grad = false, const SkipPairs& skips = {});
+              bool reduce_grad = false, const SkipPairs& skips = {},
+              const std::vector<int>& inline_receives = {});
 
 // The schedule of every rank at once (for the dry run: a receive waits for its send).
 Schedule link_all(const Lowered& lowered, int stages, int microbatches);
@@ -57,24 +67,28 @@ Schedule link_rank(const Lowered& lowered, int stages, int microbatches, int ran
 // the program (a training step, or the forward-only run of an evaluation).
 Schedule rank_schedule(const Program& program, int stages, int microbatches,
                        std::vector<int> stage_worker, std::vector<int> worker_rank,
-                       bool reduce_grad, int rank, const SkipPairs& skips = {});
+                       bool reduce_grad, int rank, const SkipPairs& skips = {},
+              const std::vector<int>& inline_receives = {});
 
 // The training step of `kind` (`stages` stages on `workers` compute workers, placed by the
 // kind, recomputes for `checkpoint`) lowered with compute worker w on rank worker_rank[w].
 Lowered lower_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       const SkipPairs& skips = {});
+                       const SkipPairs& skips = {},
+              const std::vector<int>& inline_receives = {});
 
 // Rank `rank`'s validated schedule of that step, once every rank's schedule together has
 // passed the dry run (a receive waits for its send: no rank can wait forever on another).
 Schedule rank_schedule(const std::string& kind, int stages, int workers, int microbatches,
                        Checkpoint checkpoint, std::vector<int> worker_rank, bool reduce_grad,
-                       int rank, const SkipPairs& skips = {});
+                       int rank, const SkipPairs& skips = {},
+              const std::vector<int>& inline_receives = {});
 
 // Rank `rank`'s validated forward-only schedule of `kind` (forward_only_program), lowered and
 // dry-run like rank_schedule: sends after the forwards, no gradient and no reduction.
 Schedule rank_forward_schedule(const std::string& kind, int stages, int workers,
                                int microbatches, bool loss, std::vector<int> worker_rank,
-                               int rank, const SkipPairs& skips = {});
+                               int rank, const SkipPairs& skips = {},
+              const std::vector<int>& inline_receives = {});
 
 }  // namespace gpipe_fast
