@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from cluster import Cluster, values
 from test_multiprocess import _check_steps
 
 from gpipe_fast import _C
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.shm_links import ENV, lane, routes
+from gpipe_fast.distributed.shm_links import ENV, inline_ranks, lane, routes
 from gpipe_fast.skip.layout import SkipLayout, SkipRoute
 from gpipe_fast.transport import wire
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
@@ -46,9 +47,20 @@ def test_rings_follow_the_boundaries_between_ranks() -> None:
     assert len(skipped) == 6
 
 
-def _train(cluster: Cluster, env: dict[str, str]) -> list[dict[str, Any]]:
+def test_ranks_that_receive_only_over_shared_memory_receive_inline() -> None:
+    chain = routes(_layout((0, 1, 2), ranks=3), None)
+    assert inline_ranks(3, chain, chain) == [0, 1, 2]
+    # Rank 2 on another host: rank 1 receives its gradients over gloo, so it keeps its
+    # receiving workers; rank 0 hears only from rank 1, over shared memory.
+    rings = {(s, r, n) for s, r, n in chain if 2 not in (s, r)}
+    assert inline_ranks(3, chain, rings) == [0]
+    assert inline_ranks(3, chain, set()) == []
+
+
+def _train(cluster: Cluster, env: dict[str, str], schedule: str = "1f1b") -> list[dict[str, Any]]:
+    balance = [2, 2, 2, 2] if schedule in ("interleaved", "zbv") else [4, 4]
     return values(cluster.run(
-        "with_env", env=env, case="train", schedule="1f1b", layers=4, balance=[4, 4],
+        "with_env", env=env, case="train", schedule=schedule, layers=4, balance=balance,
         chunks=4, checkpoint="except_last", batches=[12, 5], pp=2, dp=1,
     ))  # fmt: skip
 
@@ -60,6 +72,20 @@ def test_same_host_ranks_use_shared_memory_and_gloo_when_asked(two: Cluster) -> 
     assert [r["transport"] for r in gloo] == ["gloo"] * 2
     assert gloo[0]["transport_reason"] == f"{ENV}=gloo on this rank"
     # Both equal the whole model on the whole batch, and each other exactly.
+    _check_steps(shm, 4, [12, 5])
+    _check_steps(gloo, 4, [12, 5])
+    assert [r["steps"] for r in shm] == [r["steps"] for r in gloo]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble", "interleaved", "zbv"])
+def test_every_schedule_is_exact_with_inline_receives_and_receiving_workers(
+    two: Cluster, schedule: str
+) -> None:
+    # Over shared memory the compute workers receive their messages themselves; over gloo
+    # the receiving workers do: the same steps either way, equal to the whole model.
+    shm = _train(two, {}, schedule)
+    gloo = _train(two, {ENV: "gloo"}, schedule)
+    assert [r["transport"] for r in shm + gloo] == ["shared memory"] * 2 + ["gloo"] * 2
     _check_steps(shm, 4, [12, 5])
     _check_steps(gloo, 4, [12, 5])
     assert [r["steps"] for r in shm] == [r["steps"] for r in gloo]

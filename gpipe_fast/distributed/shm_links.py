@@ -94,6 +94,15 @@ def routes(layout: ProcessLayout, skips: SkipLayout | None) -> set[tuple[int, in
     return found
 
 
+def inline_ranks(
+    ranks: int, every: set[tuple[int, int, int]], rings: set[tuple[int, int, int]]
+) -> list[int]:
+    """The positions of the group whose every incoming route (of `every`) is a ring: their
+    compute workers receive their messages themselves. A rank that also receives over the
+    backend keeps its receiving workers, which post those receives ahead of compute."""
+    return [r for r in range(ranks) if all(route in rings for route in every if route[1] == r)]
+
+
 def _ring_name(token: int, sender: int, receiver: int, lane: int) -> str:
     return f"/gpf-{token:016x}-s{sender}-r{receiver}-l{lane}"
 
@@ -162,9 +171,7 @@ def connect(
     }  # fmt: skip
     for (peer, _), receiver in receivers.items():
         guard.poll(receiver.wait_attached, "its shared-memory ring to be attached", peer)
-    inline = [r for r in range(layout.pp_size) if all(route in rings for route in every
-                                                      if route[1] == r)]  # fmt: skip
-    links = ShmLinks(senders, receivers, inline)
+    links = ShmLinks(senders, receivers, inline_ranks(layout.pp_size, every, rings))
     if rings == every:
         return links, TransportChoice(SHARED_MEMORY, "the pipe's ranks share this host")
     return links, TransportChoice(
