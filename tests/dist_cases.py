@@ -601,7 +601,8 @@ def thread_rule(rank: int, world: int, *, cores: int, set_threads: int | None) -
     caller's torch.set_num_threads(set_threads) when given (each process is on one host)."""
     from gpipe_fast.device import host
 
-    saved = (os.environ.pop("OMP_NUM_THREADS", None), host.cpu_cores, host._IMPORT_THREADS)
+    saved = (os.environ.pop("OMP_NUM_THREADS", None), host.cpu_cores, host._IMPORT_THREADS,
+             host._SHARED_THREADS)  # fmt: skip
     before = torch.get_num_threads()
     host.cpu_cores = lambda: cores  # type: ignore[assignment]
     host._IMPORT_THREADS = before
@@ -609,11 +610,15 @@ def thread_rule(rank: int, world: int, *, cores: int, set_threads: int | None) -
         if set_threads is not None:
             torch.set_num_threads(set_threads)
         pipe = gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, timeout=60)
+        caller = torch.get_num_threads()  # this thread's own, after the build
+        again = gf.GPipe(model(2), [2, 2], pp_group=dist.group.WORLD, timeout=60)
         pipe.close()
-        return {"threads": pipe.threads_per_cell, "reason": pipe.threads_reason}
+        again.close()
+        return {"threads": pipe.threads_per_cell, "reason": pipe.threads_reason,
+                "caller": caller, "again": again.threads_per_cell}  # fmt: skip
     finally:
         torch.set_num_threads(before)
-        omp, host.cpu_cores, host._IMPORT_THREADS = saved  # type: ignore[assignment]
+        omp, host.cpu_cores, host._IMPORT_THREADS, host._SHARED_THREADS = saved  # type: ignore[assignment]
         if omp is not None:
             os.environ["OMP_NUM_THREADS"] = omp
 

@@ -19,6 +19,7 @@ def unset(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(host, "cpu_cores", lambda: 8)
     before = torch.get_num_threads()
     monkeypatch.setattr(host, "_IMPORT_THREADS", before)
+    monkeypatch.setattr(host, "_SHARED_THREADS", None)
     yield
     torch.set_num_threads(before)
 
@@ -59,3 +60,26 @@ def test_torch_set_num_threads_is_kept(unset: None) -> None:
 
 def test_cuda_cells_keep_torchs_setting(unset: None) -> None:
     assert host.threads_per_cell([torch.device("cuda", 0)]).per_cell is None
+
+
+def test_the_callers_threads_get_the_processes_share_when_nothing_is_set(unset: None) -> None:
+    threads = host.threads_per_cell([CPU, CPU], processes=2, one_worker=True)
+    shared = host.share_with_caller(threads, processes=2)
+    assert torch.get_num_threads() == 4
+    assert shared.per_cell == 4
+    assert shared.reason.endswith("this process's own threads too (torch.set_num_threads(4))")
+    # That count is the pipe's, not the user's: the next pipe shares the cores again.
+    assert host.user_threads(None) is None
+
+
+def test_the_callers_threads_are_left_alone_when_set_or_alone(
+    unset: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = torch.get_num_threads()
+    one = host.threads_per_cell([CPU], processes=1)
+    assert host.share_with_caller(one, processes=1) == one  # one process: PyTorch's default
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    kept = host.threads_per_cell([CPU, CPU], processes=2, one_worker=True)
+    assert host.share_with_caller(kept, processes=2) == kept
+    assert torch.get_num_threads() == before

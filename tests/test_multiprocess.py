@@ -199,13 +199,21 @@ def test_threads_split_the_cores_among_the_hosts_processes(two: Cluster) -> None
     # LOCAL_WORLD_SIZE says (only torchrun sets it; these workers are not torchrun's).
     for reply in values(two.run("thread_rule", cores=8, set_threads=None)):
         assert reply["threads"] == 4
-        assert reply["reason"] == "8 cores shared by 2 processes of this job on this host"
+        assert reply["reason"] == (
+            "8 cores shared by 2 processes of this job on this host; this process's own "
+            "threads too (torch.set_num_threads(4))"
+        )
+        # The caller's thread (its optimizer step) gets the process's share as well, and a
+        # second pipe does not take that share for the user's own setting.
+        assert reply["caller"] == 4
+        assert reply["again"] == 4
 
 
 def test_a_users_torch_set_num_threads_is_kept(two: Cluster) -> None:
     for reply in values(two.run("thread_rule", cores=8, set_threads=3)):
         assert reply["threads"] is None  # the worker keeps the user's 3
         assert reply["reason"] == "torch.set_num_threads(3) was called: it is kept"
+        assert reply["caller"] == 3 and reply["again"] is None
 
 
 def test_zbv_puts_the_tied_embedding_and_head_on_one_rank(two: Cluster) -> None:

@@ -103,7 +103,8 @@ class GPipe(nn.Module):
     ``threads_per_cell`` sets each CPU cell's intra-op threads. By default your own setting
     (OMP_NUM_THREADS, or ``torch.set_num_threads`` after importing gpipe_fast) is kept;
     otherwise the cores are shared by the cells, or across processes by the job's processes
-    on this host. ``pipe.threads_per_cell`` and ``pipe.threads_reason`` say what and why.
+    on this host (and then the thread building the pipe gets its process's share too).
+    ``pipe.threads_per_cell`` and ``pipe.threads_reason`` say what and why.
 
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
@@ -219,6 +220,8 @@ class GPipe(nn.Module):
             one_worker=layout.multi_process,
             given=_check_threads(threads_per_cell),
         )
+        if hosts is not None:
+            self._threads = host.share_with_caller(self._threads, hosts.processes_here)
         self._threads_per_cell = self._threads.per_cell
         self._step_timeout: float | None = None
         # No cells, no workers: an empty pipe is the identity (as in torchgpipe).

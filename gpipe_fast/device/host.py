@@ -10,6 +10,8 @@ import torch
 # PyTorch's intra-op thread count when gpipe_fast was imported: a count that differs later
 # was set by the user (torch.set_num_threads), and is kept.
 _IMPORT_THREADS = torch.get_num_threads()
+# The count a pipe gave the process's own threads (see share_with_caller): not the user's.
+_SHARED_THREADS: int | None = None
 
 
 def cpu_cores() -> int:
@@ -35,7 +37,7 @@ def user_threads(given: int | None) -> Threads | None:
     if omp:
         return Threads(None, f"OMP_NUM_THREADS={omp} is set: PyTorch's own setting is kept")
     current = torch.get_num_threads()
-    if current != _IMPORT_THREADS:
+    if current not in (_IMPORT_THREADS, _SHARED_THREADS):
         return Threads(None, f"torch.set_num_threads({current}) was called: it is kept")
     return None
 
@@ -63,3 +65,19 @@ def threads_per_cell(
     sharing += [f"{cpu_cells} CPU cells"] if workers > 1 else []
     among = " x ".join(sharing) or "this process's one worker"
     return Threads(max(1, cores // (processes * workers)), f"{cores} cores shared by {among}")
+
+
+def share_with_caller(threads: Threads, processes: int) -> Threads:
+    """When the job's `processes` on this host share its cores and nobody set a count
+    (`threads` came from threads_per_cell's own rule), the calling thread's intra-op threads
+    get this process's share too: the user's optimizer step and whatever else runs on it
+    would otherwise use every core in every process (PyTorch's default), several threads per
+    core. torchrun's OMP_NUM_THREADS=1 does the same for the whole process."""
+    global _SHARED_THREADS
+    if processes <= 1 or threads.per_cell is None or user_threads(None) is not None:
+        return threads
+    share = max(1, cpu_cores() // processes)
+    torch.set_num_threads(share)
+    _SHARED_THREADS = share
+    return Threads(threads.per_cell, f"{threads.reason}; this process's own threads too "
+                                     f"(torch.set_num_threads({share}))")  # fmt: skip

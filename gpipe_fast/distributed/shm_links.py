@@ -19,8 +19,11 @@ from gpipe_fast.transport.protocol import ACTIVATION, Flow
 ENV = "GPIPE_FAST_TRANSPORT"
 # Room of each ring: a larger message streams through it (its sender's flusher thread).
 RING_BYTES = 1 << 21
-# How long a waiting side spins before it sleeps on its futex.
-SPIN_US = 20.0
+# How long a waiting side spins before it sleeps on its futex: busy for 20 us, then yielding
+# the core between looks. A millisecond keeps the CPU of a rank waiting for its next message
+# from going idle, whose wake-up (a virtual CPU's above all) cost 10-20 ms per step of 32
+# micro-batches after a pause (bench/README.md, "spinning").
+SPIN_US = 1000.0
 SHARED_MEMORY = "shared memory"
 
 

@@ -18,8 +18,9 @@ struct RingControl;  // the shared part: positions, wake-up words, who closed it
 
 // The receiver creates the ring and the sender attaches to it. Bytes go in at the write
 // position and come out at the read position (each advanced by its one side, which keeps a
-// private cursor and publishes it); a waiting side spins for `spin` then sleeps on a futex that
-// the other side wakes only when told someone sleeps. Waits are bounded, and end with
+// private cursor and publishes it); a waiting side spins for `spin` (busy for its first 20 us,
+// then yielding the core between looks) then sleeps on a futex that the other side wakes only
+// when told someone sleeps. Waits are bounded, and end with
 // ChannelClosed once the ring is closed (by either side) or the other process has died.
 //
 // Thread rule: one thread at a time writes (callers serialise), one thread at a time reads;
