@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpipe_fast.demo.processes import communication_ms, merged_timeline
+from gpipe_fast.demo.processes import bubble_of_own_tasks, communication_ms, merged_timeline
 from gpipe_fast.runtime.timeline import TaskSpan
 
 
@@ -25,6 +25,8 @@ def test_demo_across_two_processes(tmp_path: Path) -> None:
     assert "torchrun --nproc-per-node 2" in result.stdout
     assert re.search(r"throughput: [\d,]+ samples/s", result.stdout), output
     assert "rank 0 computes" in result.stdout and "rank 1 computes" in result.stdout
+    assert re.search(r"bubble [\d.]+% \(ideal [\d.]+% with equal stages; [\d.]+% with these "
+                     r"stages' own task times", result.stdout), output  # fmt: skip
     assert "tensors between processes: shared memory (" in result.stdout, output
     trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
@@ -87,3 +89,19 @@ def test_a_receive_on_the_compute_worker_counts_as_idle_in_the_bubble() -> None:
     assert timeline.busy(1) == pytest.approx(2.0)
     # Two rows over 2 s, each working 1 s: half of it idle.
     assert timeline.bubble() == pytest.approx(0.5)
+
+
+def test_the_bubble_of_the_stages_own_tasks_leaves_communication_out() -> None:
+    # gpipe, 2 stages, 1 micro-batch: F0 F1 L1 B1 B0 one after another (forward 1 s, loss
+    # 1 s, backward 2 s): 7 s of work on 2 rows over a 7 s makespan, half of it idle,
+    # however long the receives took.
+    rank0 = [_span("forward", 0, 0.0, 1.0, 0), _span("backward", 0, 20.0, 22.0, 0)]
+    rank1 = [
+        _span("recv_forward", 1, 0.0, 10.0, 0),
+        _span("forward", 1, 10.0, 11.0, 0),
+        _span("loss", 1, 11.0, 12.0, 0),
+        _span("backward", 1, 12.0, 14.0, 0),
+    ]
+    timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="gpipe")
+    assert bubble_of_own_tasks(timeline, "never") == pytest.approx(0.5)
+    assert timeline.bubble() > 0.5  # the measured step waited on top of that

@@ -21,8 +21,10 @@ from torch import nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
+from gpipe_fast import _C
 from gpipe_fast.demo import report
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
+from gpipe_fast.schedule.registry import actions, communication_actions
 
 # Each process's workers: its compute worker (which also posts the sends, and takes its
 # messages itself over shared memory) and the workers receiving activations and gradients
@@ -163,13 +165,32 @@ def run(args: argparse.Namespace) -> int:
     print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
     timeline = merged_timeline([r["spans"] for r in by_rank], len(result["balance"]),
                                result["microbatches"], args.schedule)  # fmt: skip
+    own = bubble_of_own_tasks(timeline, args.checkpoint)
     print(
         f"one step: makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble():.1%} "
-        f"(ideal {timeline.ideal_bubble:.1%}); per rank: "
+        f"(ideal {timeline.ideal_bubble:.1%} with equal stages; {own:.1%} with these stages' "
+        "own task times and no communication); per rank: "
         + "; ".join(_rank_line(timeline, r) for r in range(args.processes))
     )
     report.write_timeline(timeline, args.out, "every rank's workers")
     return 0 if last < first else 1
+
+
+def bubble_of_own_tasks(timeline: Timeline, checkpoint: str) -> float:
+    """The bubble the step's schedule would have with each of its tasks taking the time it
+    took in `timeline` and nothing else (no sends, receives or hand-offs between tasks):
+    what the stages themselves leave (their layers, the recomputes of `checkpoint`), against
+    which the measured bubble shows the runtime's own cost."""
+    communication = communication_actions()
+    took = {(s.kind, s.cell, s.microbatch): s.duration_s for s in timeline.spans
+            if s.kind not in communication}  # fmt: skip
+    workers = len(timeline.compute_rows())
+    schedule = _C.make_schedule(timeline.schedule, timeline.cells, workers,
+                                timeline.microbatches, checkpoint)  # fmt: skip
+    names = actions()
+    costs = [took.get((names[t.action], t.stage, t.microbatch), 0.0) for t in schedule.tasks]
+    makespan = _C.simulate(schedule, costs).makespan
+    return max(0.0, 1.0 - sum(costs) / (workers * makespan)) if makespan > 0 else 0.0
 
 
 def rank_rows(timeline: Timeline, rank: int) -> list[int]:
