@@ -33,10 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
 
+from gpipe_fast.distributed import shm_links
+
 CONTENDERS = ("gloo", "gloo+guard", "shm")
 REPLY_TIMEOUT_S = 300.0
 RING_BYTES = 1 << 21  # 2 MiB: a 1 MiB message goes in whole
-SPIN_US = 20.0
+SPIN_US = shm_links.SPIN_US  # the pipe's own: busy 20 us, then yielding, then a futex sleep
 
 
 def _gloo_trip(rank: int, x: torch.Tensor, y: torch.Tensor, wait: Callable[[Any], None]) -> None:
