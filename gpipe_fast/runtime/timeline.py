@@ -335,7 +335,23 @@ class Timeline:
         end = max((s.end_s for s in self.spans), default=0.0)
         scale = 1e3  # milliseconds on the axis
         rows = self.rows
-        figure = Figure(figsize=(12, 1.4 + 0.55 * rows), layout="constrained")
+        kinds = list(dict.fromkeys(s.kind for s in sorted(self.spans, key=lambda s: s.task)))
+        handles = [
+            Patch(
+                facecolor=_COLOUR.get(kind, _OTHER_COLOUR),
+                label=f"{_LETTER.get(kind, kind[:1].upper())}: {kind.replace('_', ' ')}",
+            )
+            for kind in kinds
+        ]
+        handles.append(Patch(facecolor="#eeeeee", label="idle"))
+        if self.gap_s > 0:
+            handles.append(
+                Patch(facecolor="none", edgecolor="#999999", hatch="//", label="caller (loss)")
+            )
+        # Tall enough for every row, and for the legend beside them (about 0.2 in an entry).
+        figure = Figure(
+            figsize=(12, max(1.4 + 0.55 * rows, 0.9 + 0.2 * len(handles))), layout="constrained"
+        )
         axes = figure.add_subplot()
         height = 0.8
         fontsize = 7 if self.microbatches < 10 else 5
@@ -368,15 +384,6 @@ class Timeline:
                         fontsize=fontsize,
                         zorder=3,
                     )
-        kinds = list(dict.fromkeys(s.kind for s in sorted(self.spans, key=lambda s: s.task)))
-        handles = [
-            Patch(
-                facecolor=_COLOUR.get(kind, _OTHER_COLOUR),
-                label=f"{_LETTER.get(kind, kind[:1].upper())}: {kind.replace('_', ' ')}",
-            )
-            for kind in kinds
-        ]
-        handles.append(Patch(facecolor="#eeeeee", label="idle"))
         if self.gap_s > 0:
             gap_start = self.phase_window("forward")[1]
             axes.axvspan(
@@ -386,9 +393,6 @@ class Timeline:
                 edgecolor="#999999",
                 hatch="//",
                 zorder=1,
-            )
-            handles.append(
-                Patch(facecolor="none", edgecolor="#999999", hatch="//", label="caller (loss)")
             )
         axes.set_yticks(range(rows))
         axes.set_yticklabels([self.row_name(rows - 1 - y) for y in range(rows)])
