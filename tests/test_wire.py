@@ -90,3 +90,44 @@ def test_large_tensors_follow_their_header() -> None:
     message = wire.encode(big, CPU, wire.INLINE_BYTES)
     assert not wire.is_inline(message)
     assert not wire.is_inline(wire.encode(torch.randn(2), CPU))  # no room: header alone
+
+
+def _gathered(payload: wire.Payload) -> bytearray:
+    """`payload` as a shared-memory message arrives: its host header, then each tensor at an
+    offset aligned to wire.ALIGN (the channel's gathering)."""
+    out = bytearray(wire.host_header(payload).tobytes())
+    for tensor in wire.tensors(payload):
+        out += tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        out += bytes(-len(out) % wire.ALIGN)
+    return out
+
+
+def test_a_shared_memory_message_carries_structure_dtypes_and_shapes() -> None:
+    payload = (
+        torch.arange(3, dtype=torch.int8),  # 3 bytes: the next tensor starts 16 bytes on
+        None,
+        torch.randn(2, 5, dtype=torch.float64),
+        torch.zeros(0, 4),  # empty
+        torch.ones((), dtype=torch.bfloat16),
+        torch.randn(3, 4).t(),  # not contiguous: sent contiguous
+    )
+    got = wire.message(_gathered(payload))
+    assert isinstance(got, tuple) and len(got) == len(payload) and got[1] is None
+    for a, b in zip(got, payload, strict=True):
+        if b is not None:
+            assert a is not None and a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a, b)
+    lone = torch.randn(7, 3)
+    assert torch.equal(wire.message(_gathered(lone)), lone)  # type: ignore[arg-type]
+
+
+def test_a_shared_memory_message_views_the_received_bytes() -> None:
+    received = _gathered(torch.zeros(4))
+    got = wire.message(received)
+    received[wire.HEADER_LENGTH * 8] = 0x3F  # the tensor is the buffer, not a copy of it
+    assert isinstance(got, torch.Tensor) and got[0].item() != 0.0
+
+
+def test_a_shared_memory_message_that_is_no_header_is_named() -> None:
+    with pytest.raises(RuntimeError, match="did not start with a gpipe_fast header"):
+        wire.message(bytearray(wire.HEADER_LENGTH * 8))

@@ -133,10 +133,11 @@ class DistTransport:
         message for both over shared memory)."""
         sender = self.links.sender(peer, flow) if self.links is not None else None
         if sender is not None:
-            header = wire.encode(payload, self.device)
-            parts = [header, *wire.tensors(payload)]
+            words = wire.host_header(payload)
+            parts = [(words.buffer_info()[0], len(words) * words.itemsize)]
+            parts += [(t.data_ptr(), t.numel() * t.element_size()) for t in wire.tensors(payload)]
             try:  # copied into the ring, or into its queue: the tensors may go at once
-                sender.send(tag, [(t.data_ptr(), t.numel() * t.element_size()) for t in parts])
+                sender.send(tag, parts)
             except ConnectionError as error:
                 self.guard.check()
                 channel = f"its channel to rank {peer} (sending {what})"
@@ -169,9 +170,7 @@ class DistTransport:
             message = self.guard.poll(lambda seconds: ring.receive(tag, seconds), what, peer)
             # The header then each tensor at an aligned offset, as an inline message is laid
             # out: the tensors are views of the received bytes (they keep them alive).
-            received = torch.frombuffer(message, dtype=torch.int64)
-            is_tuple, entries = wire.layout(received)
-            return wire.assemble(is_tuple, wire.inline(received, entries))
+            return wire.message(message)
         request, header = posted or self._post_header(peer, tag)
         self.guard.wait(request, what, peer)
         is_tuple, entries = wire.layout(header)

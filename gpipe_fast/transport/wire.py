@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,12 +44,9 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Tensor:
-    """The header describing `payload`, on `device`, followed by `inline_bytes` of room that
-    holds the tensors themselves when they fit (inline: then nothing follows the message)."""
+def _header_words(payload: Payload, inline: bool) -> list[int]:
+    """The header's words (HEADER_LENGTH of them) describing `payload`."""
     entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
-    sizes = [_aligned(t.numel() * t.element_size()) for t in entries if t is not None]
-    inline = inline_bytes > 0 and sum(sizes) <= inline_bytes
     header = [MAGIC_INLINE if inline else MAGIC, int(isinstance(payload, tuple)), len(entries)]
     for entry in entries:
         if entry is None:
@@ -64,7 +63,16 @@ def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Ten
             f"a boundary value of {len(entries)} tensors needs a header of {len(header)} entries; "
             f"at most {HEADER_LENGTH} fit (fewer tensors or dimensions per stage boundary)"
         )
-    header += [0] * (HEADER_LENGTH - len(header))
+    return header + [0] * (HEADER_LENGTH - len(header))
+
+
+def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Tensor:
+    """The header describing `payload`, on `device`, followed by `inline_bytes` of room that
+    holds the tensors themselves when they fit (inline: then nothing follows the message)."""
+    entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
+    sizes = [_aligned(t.numel() * t.element_size()) for t in entries if t is not None]
+    inline = inline_bytes > 0 and sum(sizes) <= inline_bytes
+    header = _header_words(payload, inline)
     message = torch.empty(HEADER_LENGTH + inline_bytes // 8, dtype=torch.int64, device=device)
     message[:HEADER_LENGTH] = torch.tensor(header, dtype=torch.int64)
     if inline:
@@ -75,6 +83,33 @@ def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Ten
             room[at : at + nbytes].copy_(entry.reshape(-1).view(torch.uint8))
             at += size
     return message
+
+
+def host_header(payload: Payload) -> array:
+    """The header of an inline message as host memory (no tensor: a shared-memory message
+    gathers it with the tensors that follow, each at an ALIGN-ed offset, as `message` reads)."""
+    return array("q", _header_words(payload, inline=True))
+
+
+def message(buffer: Any) -> Payload:
+    """The payload of an inline message received whole in `buffer` (any object with the
+    buffer protocol, kept alive by the tensors, which are views of it)."""
+    words = memoryview(buffer).cast("B")[: HEADER_LENGTH * 8].cast("q")
+    is_tuple, entries = _entries(words.tolist())
+    out: list[Tensor | None] = []
+    at = HEADER_LENGTH * 8
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        dtype, shape = entry
+        count = torch.Size(shape).numel()
+        if count == 0:
+            out.append(torch.empty(shape, dtype=dtype))
+            continue
+        out.append(torch.frombuffer(buffer, dtype=dtype, count=count, offset=at).view(shape))
+        at += _aligned(count * dtype.itemsize)
+    return assemble(is_tuple, out)
 
 
 def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
@@ -108,7 +143,10 @@ def inline(header: Tensor, entries: Sequence[Entry]) -> list[Tensor | None]:
 
 def layout(header: Tensor) -> tuple[bool, list[Entry]]:
     """(is_tuple, per entry its dtype and shape or None) from a received header."""
-    values = header[:HEADER_LENGTH].tolist()
+    return _entries(header[:HEADER_LENGTH].tolist())
+
+
+def _entries(values: list[int]) -> tuple[bool, list[Entry]]:
     if values[0] not in (MAGIC, MAGIC_INLINE):
         raise RuntimeError(
             "gpipe_fast: a boundary message did not start with a gpipe_fast header: the ranks "
