@@ -668,3 +668,18 @@ def shm_failure(rank: int, world: int, *, failing_rank: int, pp: int = 0) -> dic
         pipe.close()
     return {"transport": pipe.transport_kind, "names": names, "error": error,
             "refused": refused, "open_left": open_left, "left": in_dev_shm(names)}  # fmt: skip
+
+
+def without_broadcast(rank: int, world: int, *, inner: str, **kwargs: Any) -> Any:
+    """Another case (`inner`) run with torch.distributed.broadcast refusing every call: what of the
+    step needs the process group's broadcast then fails with its RuntimeError."""
+    saved = dist.broadcast
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("torch.distributed.broadcast was called")
+
+    dist.broadcast = refuse  # type: ignore[assignment]
+    try:
+        return globals()[inner](rank, world, **kwargs)
+    finally:
+        dist.broadcast = saved

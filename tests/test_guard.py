@@ -73,9 +73,19 @@ def test_the_first_local_report_is_kept() -> None:
     guard.report("first")
     guard.report("second")
     assert guard.failure() == "rank 1: first"
-    assert store.get("pipe/failure") == b"rank 1: first"
+    assert store.get("pipe/failure") == b"0:rank 1: first"  # the step, then the failure
     other: Any = Guard(store, "pipe", rank=0, timeout_s=1)
     assert other.failure() == "rank 1: first"
+
+
+def test_a_failure_says_which_step_it_ended() -> None:
+    store = _store()
+    failing, other = Guard(store, "pipe", 1, 1), Guard(store, "pipe", 0, 1)
+    failing.step = other.step = 3
+    failing.report("ValueError: planted")
+    other.step = 4  # the other rank has moved on to its next step
+    assert other.failure() == "rank 1: ValueError: planted"
+    assert other.failed_step == 3
 
 
 def test_the_first_failure_of_any_rank_is_what_every_rank_reads() -> None:

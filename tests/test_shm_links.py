@@ -10,7 +10,14 @@ from test_multiprocess import _check_steps
 
 from gpipe_fast import _C
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.shm_links import ENV, inline_ranks, lane, routes
+from gpipe_fast.distributed.shm_links import (
+    CONTROL,
+    ENV,
+    control_routes,
+    inline_ranks,
+    lane,
+    routes,
+)
 from gpipe_fast.skip.layout import SkipLayout, SkipRoute
 from gpipe_fast.transport import wire
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
@@ -55,6 +62,26 @@ def test_ranks_that_receive_only_over_shared_memory_receive_inline() -> None:
     rings = {(s, r, n) for s, r, n in chain if 2 not in (s, r)}
     assert inline_ranks(3, chain, rings) == [0]
     assert inline_ranks(3, chain, set()) == []
+
+
+def test_the_steps_agreed_values_go_from_the_first_and_last_cells_ranks_to_the_others() -> None:
+    assert control_routes(_layout((0, 1))) == {(0, 1, CONTROL), (1, 0, CONTROL)}
+    # zbv on 2 ranks: cells 0 and 3 (the batch's and the loss's) both on rank 0.
+    assert control_routes(_layout((0, 1, 1, 0))) == {(0, 1, CONTROL)}
+    chain = control_routes(_layout((0, 1, 2), ranks=3))
+    assert chain == {(0, 1, CONTROL), (0, 2, CONTROL), (2, 0, CONTROL), (2, 1, CONTROL)}
+
+
+def test_over_shared_memory_a_step_needs_no_broadcast_of_the_group(two: Cluster) -> None:
+    # The batch size and the loss go through the rings' control lane: with the group's
+    # broadcast refused, the steps still equal the whole model's; over gloo they need it.
+    kwargs = dict(inner="train", schedule="zbv", layers=4, balance=[2, 2, 2, 2], chunks=4,
+                  checkpoint="never", batches=[12, 5], pp=2, dp=1)  # fmt: skip
+    shm = values(two.run("without_broadcast", **kwargs))
+    _check_steps(shm, 4, [12, 5])
+    replies = two.run("with_env", env={ENV: "gloo"}, case="without_broadcast", **kwargs)
+    two.reset()  # a failed step leaves the process group to be rebuilt (docs/processes.md)
+    assert all("torch.distributed.broadcast was called" in (r.error or "") for r in replies)
 
 
 def _train(cluster: Cluster, env: dict[str, str], schedule: str = "1f1b") -> list[dict[str, Any]]:
@@ -128,7 +155,10 @@ def test_a_failure_over_shared_memory_reaches_every_rank_and_leaves_nothing(
     assert other["error"][1].startswith("gpipe_fast: the step failed on rank 1: KeyError")
     for result in replies:
         assert result["refused"][0] == "PeerFailure" and "earlier step" in result["refused"][1]
-        assert len(result["names"]) == 2  # one ring each way: activations, gradients
+        # One ring each way for the tensors (activations, gradients) and one each way for
+        # the step's agreed values (the batch size from rank 0, the loss from rank 1).
+        assert len(result["names"]) == 4
+        assert sum(name.endswith("-l2") for name in result["names"]) == 2
         assert result["open_left"] == result["left"] == []  # unlinked once both attached
     # A pipe built after the group was rebuilt gets rings of its own.
     again = values(two.run("shm_failure", failing_rank=-1))

@@ -105,6 +105,10 @@ class Guard:
         self.timeout_s = timeout_s
         self.peers = peers
         self.local: str | None = None  # this rank's own failure, once reported
+        # The pipe's steps so far on this rank (the same count on every rank: each step is
+        # every rank's), and the step of the failure that failure() last read.
+        self.step = 0
+        self.failed_step = 0
         self.origin = False  # this rank's report is the failure every rank reads
         self.seen = False  # this rank has read another rank's failure (and said so)
         self._waiters = _Waiters(4)
@@ -116,19 +120,23 @@ class Guard:
         if self.local is not None:
             return
         self.local = f"rank {self.rank}: {message}"
+        record = f"{self.step}:{self.local}"  # which step failed, then where and why
         try:
-            stored = self.store.compare_set(self.key, "", self.local)
-            self.origin = bytes(stored).decode(errors="replace") == self.local
+            stored = self.store.compare_set(self.key, "", record)
+            self.origin = bytes(stored).decode(errors="replace") == record
         except Exception:  # a store that is gone: the others will time out instead
             pass
 
     def failure(self) -> str | None:
         """The failure every rank reads (the first reported), this rank's own when the
         store cannot be reached, or None."""
+        self.failed_step = self.step  # this rank's own failure is of its current step
         try:
             if not self.store.check([self.key]):
                 return self.local
-            message = bytes(self.store.get(self.key)).decode(errors="replace")
+            record = bytes(self.store.get(self.key)).decode(errors="replace")
+            step, _, message = record.partition(":")
+            self.failed_step = int(step)
             if not (self.seen or self.origin):
                 self.seen = True
                 self.store.add(self.seen_key, 1)  # the reporting rank may leave now

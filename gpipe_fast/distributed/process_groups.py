@@ -13,6 +13,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.shm_links import BATCH_TAG, LOSS_TAG, ShmLinks
 from gpipe_fast.transport.wire import DTYPES
 
 # Pipes are built in the same order on every rank: their number keys their store entries.
@@ -36,6 +37,9 @@ class ProcessGroups:
     def __init__(self, layout: ProcessLayout, device: torch.device, timeout_s: float) -> None:
         self.layout = layout
         self.device = device
+        # The pipe's rings, once made, when they carry the step's agreed values (every rank on
+        # this host): the batch size and the loss go through them instead of two broadcasts.
+        self.links: ShmLinks | None = None
         store = c10d._get_default_store()
         self.guard = Guard(
             store,
@@ -46,12 +50,18 @@ class ProcessGroups:
         )
 
     def check_usable(self) -> None:
-        """Refuses a step after one failed anywhere (see FAILED_STEP_ADVICE)."""
+        """Starts a step: refuses it after one failed anywhere (see FAILED_STEP_ADVICE). A
+        failure of this very step (another rank may be ahead: nothing holds the ranks together
+        at a step's start over shared memory) ends it as a failure during it would."""
+        self.guard.step += 1
         message = self.guard.failure()
-        if message is not None:
+        if message is None:
+            return
+        if self.guard.failed_step < self.guard.step:
             raise PeerFailure(
                 f"gpipe_fast: an earlier step failed on {message}; {FAILED_STEP_ADVICE}"
             )
+        raise PeerFailure(f"gpipe_fast: the step failed on {message}")
 
     def reduce_over_pipeline(self, value: Tensor, op: str) -> None:
         """`value` summed ("sum") or maximised ("max") over the pipeline group, in place."""
@@ -70,14 +80,22 @@ class ProcessGroups:
         request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
         self.guard.wait(request, "a value every rank agrees on")
 
+    def _broadcast(self, value: Tensor, source: int, tag: int, what: str) -> None:
+        """`value` from global rank `source` to the pipeline group, in place: over the rings'
+        control lane when they carry it, else a broadcast of the group."""
+        if self.links is not None:
+            ranks = self.layout.pp_ranks
+            self.links.broadcast(value, source, ranks, tag, self.guard, what)
+            return
+        request = dist.broadcast(value, source, group=self.layout.pp_group, async_op=True)
+        self.guard.wait(request, what, source)
+
     def batch(self, local: int | None) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
         of cell 0 tells the others its input's size; replicas add theirs up."""
         size = torch.tensor([local or 0], dtype=torch.int64, device=self.device)
         if self.layout.multi_process:
-            source = self.layout.global_rank(0)
-            request = dist.broadcast(size, source, group=self.layout.pp_group, async_op=True)
-            self.guard.wait(request, "the batch size", source)
+            self._broadcast(size, self.layout.global_rank(0), BATCH_TAG, "the batch size")
         total = size.clone()
         if self.layout.dp_group is not None:
             request = dist.all_reduce(total, group=self.layout.dp_group, async_op=True)
@@ -95,8 +113,7 @@ class ProcessGroups:
             message[1] = float(DTYPES.index(local.dtype))
         if self.layout.multi_process:
             source = self.layout.global_rank(self.layout.stages - 1)
-            request = dist.broadcast(message, source, group=self.layout.pp_group, async_op=True)
-            self.guard.wait(request, "the loss", source)
+            self._broadcast(message, source, LOSS_TAG, "the loss")
         code = int(message[1].item())
         if self.layout.dp_group is not None:
             message[1] = 0.0

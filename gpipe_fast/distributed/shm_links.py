@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,21 @@ from gpipe_fast.transport.protocol import ACTIVATION, Flow
 ENV = "GPIPE_FAST_TRANSPORT"
 # Room of each ring: a larger message streams through it (its sender's flusher thread).
 RING_BYTES = 1 << 21
+# Room of a control lane's ring (its messages are a few words).
+CONTROL_RING_BYTES = 1 << 12
 # How long a waiting side spins before it sleeps on its futex: busy for 20 us, then yielding
 # the core between looks. A millisecond keeps the CPU of a rank waiting for its next message
 # from going idle, whose wake-up (a virtual CPU's above all) cost 10-20 ms per step of 32
 # micro-batches after a pause (bench/README.md, "spinning").
 SPIN_US = 1000.0
 SHARED_MEMORY = "shared memory"
+
+
+# The lane of the values every rank of the pipe agrees on at each step (the batch size from
+# cell 0's rank, the loss from the last cell's), when all its ranks share one host.
+CONTROL = 2
+# Their tags on that lane: one message of each per step, taken in the order sent.
+BATCH_TAG, LOSS_TAG = 0, 1
 
 
 def lane(flow: Flow) -> int:
@@ -64,6 +74,34 @@ class ShmLinks:
     def receiver(self, peer: int, flow: Flow) -> _C.ShmReceiver | None:
         return self.receivers.get((peer, lane(flow)))
 
+    @property
+    def carries_control(self) -> bool:
+        """Whether the step's agreed values travel here (every rank of the pipe on this host)."""
+        return any(lane == CONTROL for _, lane in (*self.senders, *self.receivers))
+
+    def broadcast(
+        self, value: torch.Tensor, source: int, ranks: Sequence[int], tag: int, guard: Guard,
+        what: str,
+    ) -> None:  # fmt: skip
+        """`value` (a small contiguous CPU tensor) from global rank `source` to the others of
+        `ranks`, in place, over the control lane: the source sends it to each, which wait for
+        it (bounded by `guard`, like any receive)."""
+        me = guard.rank
+        if me == source:
+            part = [(value.data_ptr(), value.numel() * value.element_size())]
+            for peer in ranks:
+                if peer != me:
+                    try:
+                        self.senders[(peer, CONTROL)].send(tag, part)
+                    except ConnectionError as error:
+                        guard.check()
+                        channel = f"its channel to rank {peer} ({what})"
+                        raise guard.lost(channel, None, error) from error
+            return
+        ring = self.receivers[(source, CONTROL)]
+        message = guard.poll(lambda seconds: ring.receive(tag, seconds), what, source)
+        value.copy_(torch.frombuffer(message, dtype=value.dtype, count=value.numel()))
+
     def fail(self, reason: str) -> None:
         """This rank's step failed: closes the rings it sends on, so that a peer waiting for
         its messages stops at once. Those it receives on stay open: its own receiving
@@ -95,6 +133,13 @@ def routes(layout: ProcessLayout, skips: SkipLayout | None) -> set[tuple[int, in
         if a != b:
             found |= {(a, b, 0), (b, a, 1)}
     return found
+
+
+def control_routes(layout: ProcessLayout) -> set[tuple[int, int, int]]:
+    """The control lane's (sending position, receiving position, lane): from the rank of
+    cell 0 (the batch size) and from the rank of the last cell (the loss) to every other."""
+    sources = {layout.stage_rank(0), layout.stage_rank(layout.stages - 1)}
+    return {(s, r, CONTROL) for s in sources for r in range(layout.pp_size) if r != s}
 
 
 def inline_ranks(
@@ -151,13 +196,16 @@ def connect(
         where = "on this rank" if choice == "gloo" else "on another rank of the pipe"
         return None, TransportChoice(backend, f"{ENV}=gloo {where}")
     token = int(agreed[1])
+    # Every rank on this host: the values agreed at each step travel over rings too.
+    made = rings | (control_routes(layout) if rings == every else set())
     receivers: dict[tuple[int, int], _C.ShmReceiver] = {}
     problem = ""
     try:
-        for s, r, n in sorted(rings):
+        for s, r, n in sorted(made):
             if r == me:
                 name = _ring_name(token, ranks[s], ranks[r], n)
-                receivers[(ranks[s], n)] = _C.ShmReceiver(name, RING_BYTES, SPIN_US)
+                room = CONTROL_RING_BYTES if n == CONTROL else RING_BYTES
+                receivers[(ranks[s], n)] = _C.ShmReceiver(name, room, SPIN_US)
     except (OSError, RuntimeError) as error:  # no room in /dev/shm, say
         problem = str(error).strip().splitlines()[0]
     failed = torch.tensor([int(bool(problem))], dtype=torch.int64)
@@ -169,7 +217,7 @@ def connect(
     senders = {
         (ranks[r], n): _C.ShmSender(_ring_name(token, ranks[s], ranks[r], n), guard.timeout_s,
                                     SPIN_US)
-        for s, r, n in sorted(rings)
+        for s, r, n in sorted(made)
         if s == me
     }  # fmt: skip
     for (peer, _), receiver in receivers.items():

@@ -156,6 +156,8 @@ class Pipeline:
             )
             if self.links is not None:
                 self.schedules.inline_receives = self.links.inline_ranks
+                if self.links.carries_control:
+                    self.groups.links = self.links
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
         # One worker per local compute worker, then the communication workers of a lowered
         # schedule (as many as its schedules have: one per flow received).
