@@ -683,3 +683,20 @@ def without_broadcast(rank: int, world: int, *, inner: str, **kwargs: Any) -> An
         return globals()[inner](rank, world, **kwargs)
     finally:
         dist.broadcast = saved
+
+
+def missing_input(rank: int, world: int, *, missing_on: int) -> dict[str, Any]:
+    """A step where rank `missing_on` (the first or the last cell's) passes None for what it
+    needs (the input, or the target): what each rank raised."""
+    pipe = gf.GPipe(model(2), [2, 2], chunks=2, pp_group=dist.group.WORLD, timeout=60)
+    x, y = batch(4, seed=1)
+    if rank == missing_on:
+        x, y = (None, y) if rank == 0 else (x, None)
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        error = ("none", "")
+    except Exception as caught:
+        error = (type(caught).__name__, str(caught))
+    finally:
+        pipe.close()
+    return {"error": error}

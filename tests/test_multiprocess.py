@@ -440,6 +440,20 @@ def test_every_rank_names_where_the_failure_started(four: Cluster) -> None:
         assert "PeerFailure" not in other.error  # not relayed through another rank
 
 
+@pytest.mark.parametrize(("missing_on", "what"), [(0, "input"), (1, "target")])
+def test_a_missing_input_or_target_fails_the_step_on_every_rank(
+    two: Cluster, missing_on: int, what: str
+) -> None:
+    # The rank given None raises its ValueError naming the argument; the other ends its step
+    # with that error at once (before, it waited the whole timeout for the batch size).
+    replies = values(two.run("missing_input", missing_on=missing_on))
+    two.reset()
+    bad, other = replies[missing_on]["error"], replies[1 - missing_on]["error"]
+    assert bad[0] == "ValueError" and bad[1].startswith(f"{what}: rank {missing_on} runs")
+    assert other[0] == "PeerFailure"
+    assert other[1].startswith(f"gpipe_fast: the step failed on rank {missing_on}: ValueError")
+
+
 def test_a_killed_rank_makes_the_others_raise() -> None:
     cluster = Cluster(2)
     try:

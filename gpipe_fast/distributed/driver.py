@@ -59,12 +59,12 @@ def rank_share(
     None. Refuses a step after a failed one."""
     groups.check_usable()
     first, last = layout.is_local(0), layout.is_local(layout.stages - 1)
-    if first and input is None:
-        raise ValueError(f"input: rank {layout.pp_index} runs cell 0 and needs it")
-    if needs_target and last and target is None:
-        raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
-    given = as_tensors(input, "input") if first else ()
-    try:
+    try:  # a bad argument here is every rank's failed step, not a wait until the timeout
+        if first and input is None:
+            raise ValueError(f"input: rank {layout.pp_index} runs cell 0 and needs it")
+        if needs_target and last and target is None:
+            raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
+        given = as_tensors(input, "input") if first else ()
         batch, total = groups.batch(batch_size(given, "input") if first else None)
     except BaseException as error:
         report(error)

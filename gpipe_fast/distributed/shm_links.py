@@ -104,9 +104,9 @@ class ShmLinks:
 
     def fail(self, reason: str) -> None:
         """This rank's step failed: closes the rings it sends on, so that a peer waiting for
-        its messages stops at once. Those it receives on stay open: its own receiving
-        threads learn of the failure from the store (or from the peers closing theirs), after
-        the failing task's own error has ended the step, so that this rank raises that one."""
+        its messages stops at once. Those it receives on stay open: its own waits learn of
+        the failure from the store (or from the peers closing theirs), after the failing
+        task's own error has ended the step, so that this rank raises that one."""
         for sender in self.senders.values():
             sender.close(reason, True)
 
