@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
+from worker_pair import WorkerPair, in_gloo_pair, requests_of
 
 INPUTS, WIDTH, DEPTH, BATCH, CHUNKS = 64, 512, 9, 1024, 8
 MEASURES = ("step", "clip", "save", "load")
@@ -61,8 +61,7 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
     import gpipe_fast as gf
 
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    try:
-        join_gloo(rank, port, REPLY_TIMEOUT_S)
+    with in_gloo_pair(rank, port, REPLY_TIMEOUT_S, replies):
         model = build_model()
         half = len(model) // 2
         pipe = gf.GPipe(model, [half, len(model) - half], chunks=CHUNKS, schedule="1f1b",
@@ -98,10 +97,6 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
         pipe.close()
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-    except BaseException as error:  # the parent sees it within a second
-        replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
-    finally:
-        leave_gloo()
 
 
 def main() -> int:

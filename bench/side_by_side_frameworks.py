@@ -48,7 +48,7 @@ from side_by_side_cpu import (
     pipeline_contenders,
     thread_efficiency,
 )
-from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
+from worker_pair import WorkerPair, in_gloo_pair, requests_of
 
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
 REPLY_TIMEOUT_S = 120.0  # a worker that has not answered by then is considered dead
@@ -65,8 +65,7 @@ def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue, parent: 
     """One pipeline stage; runs a step of the named schedule per request until "stop"."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    try:
-        join_gloo(rank, port, REPLY_TIMEOUT_S)
+    with in_gloo_pair(rank, port, REPLY_TIMEOUT_S, replies):
         torch.manual_seed(1)
         x = torch.randn(BATCH, WIDTH)
         target = torch.zeros(BATCH)
@@ -85,10 +84,6 @@ def worker(rank: int, port: int, requests: mp.Queue, replies: mp.Queue, parent: 
             else:
                 schedules[request].step(target=target)
             replies.put((rank, request, time.perf_counter() - start, None))
-    except BaseException as error:  # report, then exit: the main process stops the other
-        replies.put((rank, "error", 0.0, f"{type(error).__name__}: {error}"))
-    finally:
-        leave_gloo()
 
 
 class Workers(WorkerPair):

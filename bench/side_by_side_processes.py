@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
+from worker_pair import WorkerPair, in_gloo_pair, requests_of
 
 WORKLOADS = {  # width, batch, micro-batches
     "compute": (1024, 256, 8),
@@ -192,8 +192,7 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
     """Every contender of every workload on this rank; one step of the named one per request."""
     import torch.distributed as dist
 
-    try:
-        join_gloo(rank, port, REPLY_TIMEOUT_S, pin_threads=False)
+    with in_gloo_pair(rank, port, REPLY_TIMEOUT_S, replies, pin_threads=False):
         steps: dict[str, Any] = {}
         pipes: dict[str, Any] = {}
         for workload in json.loads(os.environ["GPIPE_BENCH_WORKLOADS"]):
@@ -218,10 +217,6 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
             start = time.perf_counter()
             steps[request]()
             replies.put((rank, request, time.perf_counter() - start, None))
-    except BaseException as error:
-        replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
-    finally:
-        leave_gloo()
 
 
 def _report(workload: str, wall: dict[str, list[float]], own: dict[str, list[list[float]]],

@@ -31,7 +31,7 @@ import torch
 # The checkout's gpipe_fast (built in place), in the spawned workers too, ahead of an install.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from worker_pair import WorkerPair, join_gloo, leave_gloo, requests_of
+from worker_pair import WorkerPair, in_gloo_pair, requests_of
 
 from gpipe_fast.distributed import shm_links
 
@@ -79,8 +79,7 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
 
     from gpipe_fast.distributed.guard import Guard
 
-    try:
-        join_gloo(rank, port, REPLY_TIMEOUT_S)
+    with in_gloo_pair(rank, port, REPLY_TIMEOUT_S, replies):
         store = dist.distributed_c10d._get_default_store()
         guard = Guard(store, f"floor-{port}", rank, REPLY_TIMEOUT_S, peers=1)
         sender, receiver = _shm_pair(rank, f"/gpf-floor-{parent}-{port}")
@@ -104,10 +103,6 @@ def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> No
             replies.put((rank, "trips", times, None))
         sender.close("the benchmark ended")
         receiver.close("the benchmark ended")
-    except BaseException as error:
-        replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
-    finally:
-        leave_gloo()
 
 
 def main() -> int:

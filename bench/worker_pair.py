@@ -7,7 +7,8 @@ import os
 import queue
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +41,22 @@ def join_gloo(rank: int, port: int, timeout_s: float, pin_threads: bool = True) 
         world_size=2,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+@contextmanager
+def in_gloo_pair(
+    rank: int, port: int, timeout_s: float, replies: Any, pin_threads: bool = True
+) -> Iterator[None]:
+    """A worker's life in the pair: joins its gloo group (see join_gloo), and an error in
+    the body is replied to the parent (which stops the run within a second) instead of
+    raised; the group is left whatever happens."""
+    try:
+        join_gloo(rank, port, timeout_s, pin_threads)
+        yield
+    except BaseException as error:
+        replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
+    finally:
+        leave_gloo()
 
 
 def requests_of(requests: Any, parent: int) -> Any:
