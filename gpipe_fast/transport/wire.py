@@ -117,28 +117,12 @@ def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
 
 
 def is_inline(header: Tensor) -> bool:
-    """Whether the message of `header` carried its tensors (see `inline`). A message with no
+    """Whether the message of `header` carried its tensors (read by `message`). A message with no
     room after its header never does: it is not read, so a CUDA header costs no sync."""
     return header.numel() > HEADER_LENGTH and int(header[0].item()) == MAGIC_INLINE
 
 
 Entry = tuple[torch.dtype, tuple[int, ...]] | None  # a tensor's dtype and shape, or None
-
-
-def inline(header: Tensor, entries: Sequence[Entry]) -> list[Tensor | None]:
-    """The tensors an inline message carried after its header: views of the message."""
-    room = header[HEADER_LENGTH:].view(torch.uint8)
-    out: list[Tensor | None] = []
-    at = 0
-    for entry in entries:
-        if entry is None:
-            out.append(None)
-            continue
-        dtype, shape = entry
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        out.append(room[at : at + nbytes].view(dtype).view(shape))
-        at += _aligned(nbytes)
-    return out
 
 
 def layout(header: Tensor) -> tuple[bool, list[Entry]]:
