@@ -128,14 +128,6 @@ class Pipeline:
         ]
         self.kind = schedule
         self.split_backward = schedule_kind(schedule).split_backward
-        self.schedules = ScheduleCache(
-            self.stage_workers,
-            schedule,
-            worker_ranks=worker_ranks,
-            rank=self.layout.pp_index,
-            reduce_grad=reduce_grad,
-            skips=sorted(skips.pairs()) if skips else (),
-        )
         # The skip pairs sent between this pipe's ranks, found once for every step's transport.
         self.skips_between_ranks = skips_between_ranks(self.layout, skips)
         self.groups = (
@@ -154,10 +146,17 @@ class Pipeline:
                 self.groups.device,
                 skips,
             )
-            if self.links is not None:
-                self.schedules.inline_receives = self.links.inline_ranks
-                if self.links.carries_control:
-                    self.groups.links = self.links
+            if self.links is not None and self.links.carries_control:
+                self.groups.links = self.links
+        self.schedules = ScheduleCache(
+            self.stage_workers,
+            schedule,
+            worker_ranks=worker_ranks,
+            rank=self.layout.pp_index,
+            reduce_grad=reduce_grad,
+            skips=sorted(skips.pairs()) if skips else (),
+            inline_receives=self.links.inline_ranks if self.links is not None else (),
+        )
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
         # One worker per local compute worker, then the communication workers of a lowered
         # schedule (as many as its schedules have: one per flow received).

@@ -22,7 +22,7 @@ class ScheduleCache:
     `skips` are the (stash stage, pop stage) pairs of the model's skip connections: a pair
     whose stages sit on two ranks gets its own sends and receives. The ranks (positions in
     the pipeline group) in `inline_receives` take their receives on the compute worker that
-    needs them (set once the pipe's transport is chosen: shared memory)."""
+    needs them (those whose every message comes over shared memory)."""
 
     def __init__(
         self,
@@ -33,6 +33,7 @@ class ScheduleCache:
         rank: int = 0,
         reduce_grad: bool = False,
         skips: Sequence[tuple[int, int]] = (),
+        inline_receives: Sequence[int] = (),
         capacity: int = 64,
     ) -> None:
         self.stage_workers = list(stage_workers)
@@ -44,7 +45,7 @@ class ScheduleCache:
         self.rank = rank
         self.reduce_grad = reduce_grad
         self.skips = list(skips)
-        self.inline_receives: list[int] = []
+        self.inline_receives = list(inline_receives)
         self.capacity = capacity
         self._built: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
