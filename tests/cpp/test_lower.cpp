@@ -211,20 +211,18 @@ TEST(inline_receives_never_deadlock_and_each_precedes_the_task_that_needs_it) {
       const bool takes_inline = std::find(inline_ranks.begin(), inline_ranks.end(),
                                           l.worker_rank[w]) != inline_ranks.end();
       const auto& order = l.program[w];
+      auto receives = [&](std::size_t i) {
+        const auto a = order[i].action;
+        return a == action::RecvForward || a == action::RecvBackward || a == action::RecvSkips ||
+               a == action::RecvSkipGrads;
+      };
       for (std::size_t i = 0; i < order.size(); ++i) {
         const TaskKey& k = order[i];
-        const bool receive = k.action == action::RecvForward || k.action == action::RecvBackward ||
-                             k.action == action::RecvSkips || k.action == action::RecvSkipGrads;
-        if (!receive) continue;
+        if (!receives(i)) continue;
         CHECK(compute == takes_inline);  // an inline rank's receives are all on compute workers
         if (!compute) continue;
         std::size_t next = i + 1;  // the first task after this run of receives needs it
-        while (next < order.size() && (order[next].action == action::RecvForward ||
-                                       order[next].action == action::RecvBackward ||
-                                       order[next].action == action::RecvSkips ||
-                                       order[next].action == action::RecvSkipGrads)) {
-          ++next;
-        }
+        while (next < order.size() && receives(next)) ++next;
         CHECK(next < order.size());
         const TaskKey& user = order[next];
         const bool forward = k.action == action::RecvForward || k.action == action::RecvSkips;
