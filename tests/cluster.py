@@ -38,6 +38,9 @@ class Reply:
 def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # Every multi-process test runs with poisoned rings: a byte a ring handed out, and a
+    # received message once it goes, read as NaN (gpipe_fast.distributed.shm_links).
+    os.environ.setdefault("GPIPE_FAST_DEBUG_POISON", "1")
     import importlib
 
     import dist_cases  # noqa: F401  (loaded up front: most cases live there)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -94,9 +96,10 @@ def test_large_tensors_follow_their_header() -> None:
 def _gathered(payload: wire.Payload) -> bytearray:
     """`payload` as a shared-memory message arrives: its host header, then each tensor at an
     offset aligned to wire.ALIGN (the channel's gathering)."""
-    out = bytearray(wire.host_header(payload).tobytes())
-    for tensor in wire.tensors(payload):
-        out += tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    out = bytearray()
+    message = wire.gather(payload)  # held while its parts are read
+    for address, size in message.parts:  # read as the ring copies them
+        out += ctypes.string_at(address, size)
         out += bytes(-len(out) % wire.ALIGN)
     return out
 

@@ -89,13 +89,15 @@ void bind_shm(py::module_& m) {
       m, "ShmReceiver",
       "The receiving end of a shared-memory ring, which it creates. receive(tag) hands out "
       "the message with that tag, keeping others aside until asked for.")
-      .def(py::init([](const std::string& name, std::size_t ring_bytes, double spin_us) {
-             return std::make_unique<ShmReceiver>(name, ring_bytes, spin_of(spin_us));
+      .def(py::init([](const std::string& name, std::size_t ring_bytes, double spin_us,
+                       bool poison) {
+             return std::make_unique<ShmReceiver>(name, ring_bytes, spin_of(spin_us), poison);
            }),
            py::arg("name"), py::arg("ring_bytes") = std::size_t{1} << 21,
-           py::arg("spin_us") = 20.0,
+           py::arg("spin_us") = 20.0, py::arg("poison") = false,
            "Creates ring `name` ('/...', unique per job) with ring_bytes of room (a power of "
-           "two, at least 4096).")
+           "two, at least 4096). poison: a debug mode that overwrites every consumed ring byte, "
+           "and a message's bytes once it goes, with 0xFF.")
       .def("wait_attached", &ShmReceiver::wait_attached, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>(),
            "Waits until the sender attached (TimeoutError after timeout_s); the name is "

@@ -88,12 +88,16 @@ struct Stream {
 
 // -- ShmMessage -------------------------------------------------------------------------------
 
-ShmMessage::ShmMessage(std::uint64_t tag, std::size_t bytes)
+ShmMessage::ShmMessage(std::uint64_t tag, std::size_t bytes, bool poison)
     : tag_(tag),
       size_(bytes),
-      data_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), kMessageAlign))) {}
+      data_(static_cast<std::byte*>(::operator new(std::max<std::size_t>(bytes, 1), kMessageAlign))),
+      poison_(poison) {}
 
-ShmMessage::~ShmMessage() { ::operator delete(data_, kMessageAlign); }
+ShmMessage::~ShmMessage() {
+  if (poison_) std::memset(data_, 0xFF, size_);
+  ::operator delete(data_, kMessageAlign);
+}
 
 // -- ShmSender --------------------------------------------------------------------------------
 
@@ -205,8 +209,10 @@ std::size_t ShmSender::queued_bytes() const {
 // -- ShmReceiver ------------------------------------------------------------------------------
 
 ShmReceiver::ShmReceiver(const std::string& name, std::size_t ring_bytes,
-                         std::chrono::nanoseconds spin)
-    : ring_(ShmRing::create(name, ring_bytes, spin)) {}
+                         std::chrono::nanoseconds spin, bool poison)
+    : ring_(ShmRing::create(name, ring_bytes, spin)), poison_(poison) {
+  ring_->set_poison(poison);
+}
 
 ShmReceiver::~ShmReceiver() { ring_->close("the receiver closed its channel", false); }
 
@@ -252,7 +258,7 @@ std::shared_ptr<ShmMessage> ShmReceiver::next_message(ShmRing::Clock::time_point
                           "' holds a frame of " + std::to_string(frame.bytes) +
                           " bytes: its memory was overwritten");
     }
-    incoming_ = Incoming{std::make_shared<ShmMessage>(frame.tag, frame.bytes), 0};
+    incoming_ = Incoming{std::make_shared<ShmMessage>(frame.tag, frame.bytes, poison_), 0};
   }
   Incoming& incoming = *incoming_;
   const std::size_t size = incoming.message->size();

@@ -204,6 +204,10 @@ std::size_t ShmRing::take(void* out, std::size_t count) {
   const std::size_t first = std::min(n, capacity_ - offset);
   std::memcpy(out, ring_ + offset, first);
   std::memcpy(static_cast<std::byte*>(out) + first, ring_, n - first);
+  if (poison_) {
+    std::memset(ring_ + offset, 0xFF, first);
+    std::memset(ring_, 0xFF, n - first);
+  }
   cursor_ += n;
   return n;
 }

@@ -133,11 +133,11 @@ class DistTransport:
         message for both over shared memory)."""
         sender = self.links.sender(peer, flow) if self.links is not None else None
         if sender is not None:
-            words = wire.host_header(payload)
-            parts = [(words.buffer_info()[0], len(words) * words.itemsize)]
-            parts += [(t.data_ptr(), t.numel() * t.element_size()) for t in wire.tensors(payload)]
-            try:  # copied into the ring, or into its queue: the tensors may go at once
-                sender.send(tag, parts)
+            # `message` holds the bytes its parts point at (a non-contiguous tensor's copy
+            # among them) until send() has copied them into the ring or its queue.
+            message = wire.gather(payload)
+            try:
+                sender.send(tag, message.parts)
             except ConnectionError as error:
                 self.guard.check()
                 channel = f"its channel to rank {peer} (sending {what})"

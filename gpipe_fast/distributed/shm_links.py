@@ -18,6 +18,10 @@ from gpipe_fast.transport.protocol import ACTIVATION, Flow
 
 # GPIPE_FAST_TRANSPORT=gloo keeps CPU tensors on gloo even between ranks of one host.
 ENV = "GPIPE_FAST_TRANSPORT"
+# GPIPE_FAST_DEBUG_POISON=1: a debug mode (the test suite's) in which each ring overwrites
+# every byte it has handed out, and each received message its bytes once it goes, with 0xFF
+# (NaN in any float): a tensor still read from memory the transport reused shows at once.
+POISON_ENV = "GPIPE_FAST_DEBUG_POISON"
 # Room of each ring: a larger message streams through it (its sender's flusher thread).
 RING_BYTES = 1 << 21
 # Room of a control lane's ring (its messages are a few words).
@@ -199,13 +203,14 @@ def connect(
     # Every rank on this host: the values agreed at each step travel over rings too.
     made = rings | (control_routes(layout) if rings == every else set())
     receivers: dict[tuple[int, int], _C.ShmReceiver] = {}
+    poison = os.environ.get(POISON_ENV, "").strip() not in ("", "0")
     problem = ""
     try:
         for s, r, n in sorted(made):
             if r == me:
                 name = _ring_name(token, ranks[s], ranks[r], n)
                 room = CONTROL_RING_BYTES if n == CONTROL else RING_BYTES
-                receivers[(ranks[s], n)] = _C.ShmReceiver(name, room, SPIN_US)
+                receivers[(ranks[s], n)] = _C.ShmReceiver(name, room, SPIN_US, poison)
     except (OSError, RuntimeError) as error:  # no room in /dev/shm, say
         problem = str(error).strip().splitlines()[0]
     failed = torch.tensor([int(bool(problem))], dtype=torch.int64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -85,10 +85,24 @@ def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Ten
     return message
 
 
-def host_header(payload: Payload) -> array:
-    """The header of an inline message as host memory (no tensor: a shared-memory message
-    gathers it with the tensors that follow, each at an ALIGN-ed offset, as `message` reads)."""
-    return array("q", _header_words(payload, inline=True))
+class Gathered(NamedTuple):
+    """A shared-memory message of a payload as the (address, bytes) parts a ring copies in:
+    its header in host memory, then each tensor (at an ALIGN-ed offset, as `message` reads).
+    The addresses point into `owners` (the header and the contiguous tensors: a tensor that
+    was not contiguous is a copy that nothing else holds), so they are valid only while this
+    object lives: a sender keeps it until the ring has copied them."""
+
+    parts: list[tuple[int, int]]
+    owners: tuple[object, ...]
+
+
+def gather(payload: Payload) -> Gathered:
+    """`payload` as the parts of one shared-memory message, with what owns their bytes."""
+    header = array("q", _header_words(payload, inline=True))
+    contiguous = tensors(payload)
+    parts = [(header.buffer_info()[0], len(header) * header.itemsize)]
+    parts += [(t.data_ptr(), t.numel() * t.element_size()) for t in contiguous]
+    return Gathered(parts, (header, *contiguous))
 
 
 def message(buffer: Any) -> Payload:

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -16,12 +17,14 @@
 #include "check.hpp"
 #include "gpipe_fast/error.hpp"
 #include "gpipe_fast/shm_channel.hpp"
+#include "gpipe_fast/shm_segment.hpp"
 
 using gpipe_fast::ChannelClosed;
 using gpipe_fast::InvalidArgument;
 using gpipe_fast::ShmMessage;
 using gpipe_fast::ShmPart;
 using gpipe_fast::ShmReceiver;
+using gpipe_fast::ShmSegment;
 using gpipe_fast::ShmSender;
 using gpipe_fast::WaitTimeout;
 using Clock = std::chrono::steady_clock;
@@ -83,6 +86,30 @@ TEST(shm_parts_are_gathered_at_aligned_offsets_and_the_name_is_gone_once_attache
   CHECK_EQ(reinterpret_cast<std::uintptr_t>(message->data()) % 64, 0u);
   CHECK(pair.sender.send(12, {}));
   CHECK_EQ(pair.receiver.receive(12, 1.0)->size(), 0u);
+}
+
+// Whether `bytes` occur anywhere in the mapping `spy`.
+bool holds(const ShmSegment& spy, const std::vector<std::uint8_t>& bytes) {
+  const auto* begin = static_cast<const std::uint8_t*>(spy.data());
+  return std::search(begin, begin + spy.size(), bytes.begin(), bytes.end()) != begin + spy.size();
+}
+
+TEST(shm_poison_overwrites_the_ring_bytes_a_receive_consumed) {
+  for (const bool poison : {false, true}) {
+    const std::string name = unique_name(poison ? "poison" : "plain");
+    ShmReceiver receiver(name, 4096, kSpin, poison);
+    // A third mapping of the ring, opened before the sender's attach removes the name.
+    const ShmSegment spy = ShmSegment::open(name, 1.0);
+    ShmSender sender(name, 1.0, kSpin);
+    receiver.wait_attached(1.0);
+    const auto body = pattern(200, 3);
+    CHECK(sender.send(7, {{body.data(), body.size()}}));
+    CHECK(holds(spy, body));
+    auto message = receiver.receive(7, 1.0);
+    CHECK(same(*message, 0, body));  // the message owns a copy, poisoned or not
+    CHECK_EQ(holds(spy, body), !poison);
+    CHECK_EQ(holds(spy, std::vector<std::uint8_t>(body.size(), 0xFF)), poison);
+  }
 }
 
 TEST(shm_messages_with_other_tags_are_kept_aside_until_asked_for) {

@@ -29,10 +29,11 @@ struct ShmPart {
 };
 
 // A received message: its tag and its bytes, owned, 64-byte aligned, each part at an offset
-// aligned to kShmPartAlign (padding between parts).
+// aligned to kShmPartAlign (padding between parts). `poison`: its bytes are overwritten with
+// 0xFF when it goes (the debug mode of ShmRing::set_poison).
 class ShmMessage {
  public:
-  ShmMessage(std::uint64_t tag, std::size_t bytes);
+  ShmMessage(std::uint64_t tag, std::size_t bytes, bool poison = false);
   ShmMessage(const ShmMessage&) = delete;
   ShmMessage& operator=(const ShmMessage&) = delete;
   ~ShmMessage();
@@ -45,6 +46,7 @@ class ShmMessage {
   std::uint64_t tag_;
   std::size_t size_;
   std::byte* data_;
+  bool poison_;
 };
 
 // The sending end of one ring. send() never waits for the receiver (a pipeline's send that
@@ -98,7 +100,10 @@ class ShmSender {
 class ShmReceiver {
  public:
   // Creates the ring `name` with `ring_bytes` of room (a power of two, at least 4 KiB).
-  ShmReceiver(const std::string& name, std::size_t ring_bytes, std::chrono::nanoseconds spin);
+  // `poison`: the debug mode that overwrites every consumed ring byte, and every message's
+  // bytes once it goes, with 0xFF (ShmRing::set_poison).
+  ShmReceiver(const std::string& name, std::size_t ring_bytes, std::chrono::nanoseconds spin,
+              bool poison = false);
   ShmReceiver(const ShmReceiver&) = delete;
   ShmReceiver& operator=(const ShmReceiver&) = delete;
   ~ShmReceiver();  // closes the ring and removes its name if the sender never attached
@@ -125,6 +130,7 @@ class ShmReceiver {
   std::shared_ptr<ShmMessage> next_message(ShmRing::Clock::time_point deadline);
 
   std::unique_ptr<ShmRing> ring_;
+  bool poison_;
   std::mutex receiving_;  // one receive at a time
   std::optional<Incoming> incoming_;
   mutable std::mutex aside_mutex_;

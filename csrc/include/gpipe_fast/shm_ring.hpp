@@ -65,6 +65,9 @@ class ShmRing {
   std::size_t take(void* out, std::size_t count);
   // Frees what take() copied out and wakes a writer waiting for room.
   void release();
+  // A debug mode (GPIPE_FAST_DEBUG_POISON): take() overwrites the bytes it copied out with
+  // 0xFF, so that anything still reading a consumed slot sees NaNs, never plausible values.
+  void set_poison(bool on) { poison_ = on; }
   // Waits until at least `count` bytes are readable (true), `deadline` passes (false), or the
   // ring is closed or the writer died with fewer readable (ChannelClosed).
   bool wait_for_bytes(std::size_t count, Clock::time_point deadline);
@@ -98,6 +101,7 @@ class ShmRing {
   std::byte* ring_;
   std::size_t capacity_;
   bool writer_;
+  bool poison_ = false;
   std::chrono::nanoseconds spin_;
   std::uint64_t cursor_ = 0;  // private: the write position (writer) or read position (reader)
   std::mutex peer_mutex_;  // the reader learns its peer on the first look after the attach
