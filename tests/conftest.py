@@ -12,6 +12,21 @@ from cluster import Cluster
 import gpipe_fast as gf
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="run the long forms of the harnesses (test_exact_models.py: every checkpoint "
+        "mode, and gloo as well as shared memory between processes)",
+    )
+
+
+@pytest.fixture
+def full(request: pytest.FixtureRequest) -> bool:
+    """Whether `--full` asked for the long form of a harness."""
+    return bool(request.config.getoption("--full"))
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(1234)

@@ -6,6 +6,7 @@ memory outliving the worker's reply.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -626,13 +627,15 @@ def thread_rule(rank: int, world: int, *, cores: int, set_threads: int | None) -
 def with_env(
     rank: int, world: int, *, env: dict[str, str], case: str, only: Any = None, **kwargs: Any
 ) -> Any:
-    """Another case run with `env` set in this worker's environment (restored after), on the
-    ranks `only` lists (all when None)."""
+    """Another case (of this module, or `<module>.<name>` of another) run with `env` set in
+    this worker's environment (restored after), on the ranks `only` lists (all when None)."""
     saved = {name: os.environ.get(name) for name in env}
     if only is None or rank in only:
         os.environ.update(env)
     try:
-        return globals()[case](rank, world, **kwargs)
+        module, _, name = case.rpartition(".")
+        run = getattr(importlib.import_module(module), name) if module else globals()[name]
+        return run(rank, world, **kwargs)
     finally:
         for name, value in saved.items():
             if value is None:
