@@ -351,9 +351,11 @@ class GPipe(nn.Module):
         loss_fn that averages over its micro-batch) each micro-batch's loss is weighted by
         its share of the batch; with "sum" they are added. Either way the loss and every
         ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
-        (gradients accumulate, as backward() does: zero them between steps). The input's
-        gradient reaches ``input.grad`` when it requires one. Under ``torch.no_grad()`` it
-        raises RuntimeError before running anything: see :meth:`eval_step`.
+        (gradients accumulate, as backward() does: zero them between steps, or leave them
+        to accumulate over several steps, exact also with ``dp_group`` and tied weights
+        across ranks). The input's gradient reaches ``input.grad`` when it requires one.
+        Under ``torch.no_grad()`` it raises RuntimeError before running anything: see
+        :meth:`eval_step`.
 
         With ``grad_scaler`` (a :class:`gpipe_fast.GradScaler` of this pipe, as
         ``scaler.scale(loss).backward()`` does in plain PyTorch) each micro-batch's loss

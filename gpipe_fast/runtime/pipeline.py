@@ -30,6 +30,7 @@ from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.dist_transport import make_transport, skips_between_ranks
 from gpipe_fast.distributed.driver import CrossProcess
 from gpipe_fast.distributed.grad_reduce import sum_gradients
+from gpipe_fast.distributed.held_gradients import summing_this_step_only
 from gpipe_fast.distributed.host_peers import HostPeers, host_peers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
@@ -259,6 +260,24 @@ class Pipeline:
             f"cell {stage}'s gradients from the other replicas",
         )
 
+    def summed_across_ranks(self) -> list[Tensor]:
+        """The tensors whose gradients a step sums across ranks: with dp_group, every learning
+        parameter of this process's cells (a tie's tensor once, not its replicas on other
+        devices, which are added into it first); else the tied weights' copies."""
+        tied = self.tied.local_tensors() if self.tied else []
+        if self.layout.dp_group is None:
+            summed = tied if self.layout.multi_process else []
+        else:
+            members = self.tied.members if self.tied else set()
+            own = [
+                p
+                for cell in self.local_cells
+                for p in cell.module.parameters()
+                if id(p) not in members
+            ]
+            summed = own + tied
+        return [t for t in summed if t.requires_grad]
+
     def sync_copies(self) -> None:
         """Every copy of a weight starts equal: tied copies across the pipeline group, then
         every tensor across the data-parallel replicas (sync_copies.py)."""
@@ -389,11 +408,13 @@ class Pipeline:
             loss_scale,
         )  # fmt: skip
         run = self.runner
-        local = cross.run(
-            lambda: run.committed(lambda: run.train(step, schedule)),
-            step.context.transport,
-            backward=True,
-        )
+        # Gradients left to accumulate from earlier steps stay out of this step's sums.
+        with summing_this_step_only(self.summed_across_ranks()):
+            local = cross.run(
+                lambda: run.committed(lambda: run.train(step, schedule)),
+                step.context.transport,
+                backward=True,
+            )
         loss = cross.loss(local)
         if given:
             _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
