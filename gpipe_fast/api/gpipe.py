@@ -6,13 +6,14 @@ import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_fast.api import live_pipes, state_dict
+from gpipe_fast.api import live_pipes, optim_state, state_dict
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
@@ -245,6 +246,15 @@ class GPipe(nn.Module):
         live_pipes.add(self)
         if self._pipeline is not None:
             self._pipeline.sync_copies()
+        if layout.multi_process and self._pipeline is not None and self._pipeline.groups:
+            # get_state_dict(pipe, optimizer) gives the plain model's optimizer state dict,
+            # whatever rank holds a layer: a tied weight under its first name, and (without
+            # the flatten option) every rank's parameters in param_groups.
+            optim_state.register(self, optim_state.PipeNames(
+                plain_names=optim_state.tie_copy_names(ties, layout.is_local),
+                gather=partial(optim_state.gather_over_pipeline, self._pipeline.groups),
+                ranks=layout.pp_ranks,
+            ))  # fmt: skip
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
