@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -178,7 +179,18 @@ def _install() -> None:
         return
     get = getattr(dsd, "_get_optim_state_dict", None)
     load = getattr(dsd, "_load_optim_state_dict", None)
-    if get is None or load is None or getattr(get, "_gpipe_fast", False):
+    if get is None or load is None:  # a torch that moved them: said, never silently wrong
+        warnings.warn(
+            "gpipe_fast: this torch has no torch.distributed.checkpoint.state_dict."
+            "_get_optim_state_dict / _load_optim_state_dict to key a pipe's optimizer state "
+            "as the plain model's: pass StateDictOptions(flatten_optimizer_state_dict=True) to "
+            "get_state_dict and set_state_dict, and keep a weight tied across ranks on one "
+            "layout between save and load",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return
+    if getattr(get, "_gpipe_fast", False):
         return
 
     def get_optim_state_dict(model: nn.Module, optimizers: Any, info: Any) -> Any:
