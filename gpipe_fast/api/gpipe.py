@@ -396,13 +396,13 @@ class GPipe(nn.Module):
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for the whole model: returns the norm of every
-        gradient of the model (a tensor, the same value on every rank) and scales this
-        rank's gradients by ``max_norm / norm`` when that is below 1.
+        gradient of the model (a tensor, bitwise the same value and dtype on every rank) and
+        scales this rank's gradients by ``max_norm / norm`` when that is below 1.
 
         The norm covers every cell on every rank of ``pp_group``; a tied weight counts once
         however many cells and ranks hold it, and ``dp_group`` replicas (whose gradients
-        are already summed) count once. Across processes it costs one all-reduce of one
-        number over ``pp_group``; call it on every rank, after the step's backward.
+        are already summed) count once. Across processes it costs one all-reduce of a few
+        numbers over ``pp_group``; call it on every rank, after the step's backward.
         ``norm_type`` is a number > 0 or ``"inf"``; ``max_norm <= 0`` or another norm raises
         ValueError."""
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
