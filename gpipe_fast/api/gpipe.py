@@ -29,10 +29,9 @@ from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.distributed.shm_links import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
-    ADVICE,
     InitFn,
     Uninitialised,
-    describe,
+    explain,
     materialize,
     still_uninitialised,
     warn_uninitialised,
@@ -109,7 +108,8 @@ class GPipe(nn.Module):
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
     that none of them reached is named in a warning, and the pipe refuses to run until it is
-    loaded or set.
+    loaded or set (a non-persistent buffer, which no state dict holds: re-created by
+    ``init_fn`` or set).
     """
 
     def __init__(
@@ -457,7 +457,7 @@ class GPipe(nn.Module):
         if self._uninitialised:
             raise RuntimeError(
                 f"gpipe_fast: {len(self._uninitialised)} tensor(s) built on the meta device hold "
-                f"no values yet: {describe(self._uninitialised)}; {ADVICE}"
+                f"no values yet: {explain(self._uninitialised)}"
             )
 
     def record_timeline(self, on: bool = True) -> None:

@@ -25,6 +25,12 @@ class Uninitialised:
         """The tensor now (a load with assign=True replaces it)."""
         return getattr(self.owner, self.attribute)  # type: ignore[no-any-return]
 
+    @property
+    def in_state_dict(self) -> bool:
+        """False for a non-persistent buffer (register_buffer(..., persistent=False), such as
+        a rotary embedding's inv_freq): no state dict holds it, so no load can fill it."""
+        return self.attribute not in self.owner._non_persistent_buffers_set
+
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """Every submodule once, children before their parent: a parent's initialisation runs
@@ -128,17 +134,39 @@ def describe(left: list[Uninitialised], limit: int = 8) -> str:
     return ", ".join(names) + more
 
 
-ADVICE = (
+LOADABLE_ADVICE = (
     "their layers have no reset_parameters(); pass GPipe(..., init_fn=fn), which is called on "
     "every module of this process's cells after their own initialisation (e.g. a model's "
     "_init_weights), or load a checkpoint with pipe.load_state_dict(...) before the first step"
 )
+BUFFER_ADVICE = (
+    "no state dict holds them, so no load can fill them: pass GPipe(..., init_fn=fn) with a "
+    "function that re-creates them on their module (for transformers' rotary embeddings a "
+    "model's own _init_weights does, e.g. init_fn=LlamaModel(config)._init_weights with that "
+    "model built on the meta device), or set them by hand before the first step"
+)
+
+
+def explain(left: list[Uninitialised]) -> str:
+    """Which tensors hold no values and how to fill them: those a state dict holds may also
+    be loaded, a non-persistent buffer only re-created (init_fn) or set."""
+    loadable = [u for u in left if u.in_state_dict]
+    buffers = [u for u in left if not u.in_state_dict]
+    parts = []
+    if loadable:
+        parts.append(f"{describe(loadable)}: {LOADABLE_ADVICE}")
+    if buffers:
+        parts.append(
+            f"the non-persistent buffers (register_buffer(..., persistent=False)) "
+            f"{describe(buffers)}: {BUFFER_ADVICE}"
+        )
+    return "; ".join(parts)
 
 
 def warn_uninitialised(left: list[Uninitialised]) -> None:
     warnings.warn(
         f"gpipe_fast: {len(left)} tensor(s) built on the meta device were given memory but no "
-        f"values: {describe(left)}; {ADVICE}. Until then the pipe refuses to run.",
+        f"values: {explain(left)}. Until then the pipe refuses to run.",
         UserWarning,
         stacklevel=3,
     )
