@@ -30,10 +30,9 @@ from gpipe_fast.distributed.shm_links import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
     InitFn,
+    Unfilled,
     Uninitialised,
-    explain,
     materialize,
-    still_uninitialised,
     warn_uninitialised,
 )
 from gpipe_fast.nn.microbatch import Value, as_tensors
@@ -109,7 +108,7 @@ class GPipe(nn.Module):
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
     that none of them reached is named in a warning, and the pipe refuses to run until it is
     loaded or set (a non-persistent buffer, which no state dict holds: re-created by
-    ``init_fn`` or set).
+    ``init_fn`` or set); across processes that refusal fails the step on every rank.
     """
 
     def __init__(
@@ -189,13 +188,14 @@ class GPipe(nn.Module):
         # Another process's cell stays as it is (on the meta device, it never holds memory).
         # Tensors that came from the meta device with no initialisation are remembered: the
         # pipe refuses to run until they are loaded or set.
-        self._uninitialised: list[Uninitialised] = []
+        uninitialised: list[Uninitialised] = []
         for k, device in enumerate(self.devices):
             if here[k]:
                 cells[k], left = materialize(cells[k], device, init_fn)
-                self._uninitialised += left
-        if self._uninitialised:
-            warn_uninitialised(self._uninitialised)
+                uninitialised += left
+        if uninitialised:
+            warn_uninitialised(uninitialised)
+        self._unfilled = Unfilled(uninitialised)
         retie(cells, ties, here)
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
@@ -238,6 +238,7 @@ class GPipe(nn.Module):
                 tied=tied,
                 skips=skips,
                 hosts=hosts,
+                ready=self._unfilled.check,
             )
             if cells
             else None
@@ -329,9 +330,10 @@ class GPipe(nn.Module):
         if self._pipeline is None:  # no cells: the identity, for Tensors only
             as_tensors(input, "input")
             return input
-        self._check_initialised()
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
+            # Checked at the step's start on every rank (see _check_initialised).
             return forward_across_processes(self._pipeline, input, self.chunks)  # type: ignore[return-value]
+        self._unfilled.check()
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
@@ -450,15 +452,11 @@ class GPipe(nn.Module):
         return loss
 
     def _check_initialised(self) -> None:
-        """Refuses to run while a tensor built on the meta device holds no values yet."""
-        if not self._uninitialised:
-            return
-        self._uninitialised = still_uninitialised(self._uninitialised)
-        if self._uninitialised:
-            raise RuntimeError(
-                f"gpipe_fast: {len(self._uninitialised)} tensor(s) built on the meta device hold "
-                f"no values yet: {explain(self._uninitialised)}"
-            )
+        """Refuses to run while a tensor built on the meta device holds no values yet. A
+        step across processes checks at its start on every rank instead (the pipeline's
+        `ready`), where this rank's refusal ends the step on every rank, each naming it."""
+        if self._pipeline is None or self._pipeline.cross is None:
+            self._unfilled.check()
 
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then

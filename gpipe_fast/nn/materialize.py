@@ -174,5 +174,31 @@ def warn_uninitialised(left: list[Uninitialised]) -> None:
 
 def still_uninitialised(left: list[Uninitialised]) -> list[Uninitialised]:
     """Those of `left` that nothing has filled since: a floating tensor holding no NaN any
-    more was loaded or set by hand (integer ones leave the list when loaded, see GPipe)."""
+    more was loaded or set by hand (integer ones leave the list when loaded, see Unfilled)."""
     return [u for u in left if not _can_hold_nan(u.tensor()) or bool(u.tensor().isnan().any())]
+
+
+class Unfilled:
+    """This process's tensors that came from the meta device with no values: the pipe runs
+    once each is loaded or set (`check` raises until then)."""
+
+    def __init__(self, left: list[Uninitialised]) -> None:
+        self.left = left
+
+    def __bool__(self) -> bool:
+        return bool(self.left)
+
+    def loaded(self, names: set[str]) -> None:
+        """Forgets the tensors a state dict just loaded (the model's keys `names`)."""
+        self.left = [u for u in self.left if u.name not in names]
+
+    def check(self) -> None:
+        """RuntimeError naming what still holds no values, and how to fill it."""
+        if not self.left:
+            return
+        self.left = still_uninitialised(self.left)
+        if self.left:
+            raise RuntimeError(
+                f"gpipe_fast: {len(self.left)} tensor(s) built on the meta device hold no "
+                f"values yet: {explain(self.left)}"
+            )
