@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import gpt
+import meta_cases
 import pytest
 import torch
 from torch import nn
@@ -78,6 +79,82 @@ def test_a_load_or_a_value_set_by_hand_lets_the_pipe_run(make_pipe: Any, how: st
             pipe[1].w.fill_(0.25)
     x = torch.randn(2, 1000)
     assert not pipe(x).isnan().any()
+
+
+def test_a_non_persistent_buffer_is_told_from_what_a_load_fills(make_pipe: Any) -> None:
+    # No state dict holds a non-persistent buffer: the advice for it is init_fn (or setting
+    # it), and a load of the whole model, which fills the Scale's weight, leaves it named.
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(5, 5), Scale(5), meta_cases.Frequencies()).double()
+
+    with torch.device("meta"):
+        meta = build()
+    with pytest.warns(UserWarning) as caught:
+        pipe = make_pipe(meta, [2, 1], devices=["cpu"] * 2)
+    (warning,) = [str(w.message) for w in caught]
+    assert "1.w (Scale): their layers have no reset_parameters()" in warning
+    assert "the non-persistent buffers (register_buffer(..., persistent=False)) 2.freq " in warning
+    pipe.load_state_dict(build().state_dict())  # strict: every key of the state dict loads
+    with pytest.raises(RuntimeError) as refused:
+        pipe(torch.randn(3, 5, dtype=torch.float64))
+    message = str(refused.value)
+    assert message.startswith("gpipe_fast: 1 tensor(s) built on the meta device hold no values")
+    assert "1.w" not in message
+    assert "2.freq (Frequencies): no state dict holds them, so no load can fill them" in message
+    assert "init_fn=" in message
+
+
+def test_init_fn_recreating_a_non_persistent_buffer_runs_exactly(make_pipe: Any) -> None:
+    with torch.device("meta"):
+        meta = meta_cases.model(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: init_fn filled the buffer
+        pipe = make_pipe(meta, [3, 3], devices=["cpu"] * 2, chunks=3, init_fn=meta_cases.refill)
+    plain = meta_cases.model(1)
+    pipe.load_state_dict(plain.state_dict())
+    x, y = meta_cases.batch()
+    want = nn.functional.mse_loss(plain(x), y)
+    want.backward()
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
+    grads = dict(plain.named_parameters())
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-12, atol=1e-14)
+    assert torch.equal(pipe[1].freq, plain[1].freq)
+
+
+def test_a_transformers_models_init_weights_fills_its_rotary_buffers(make_pipe: Any) -> None:
+    # The advice's example: a transformers model's own _init_weights (of a model built on
+    # the meta device from the same config) re-creates the rotary embedding's inv_freq.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+
+    class Rotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(h.size(1))[None].expand(h.size(0), -1)
+            cos, sin = self.rotary(h, positions)
+            return h * cos + sin
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), Rotated()).double()
+
+    with torch.device("meta"):
+        meta, model = build(), transformers.LlamaModel(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left without values
+        pipe = make_pipe(meta, [1, 1], devices=["cpu"] * 2, init_fn=model._init_weights)
+    plain = build()
+    pipe.load_state_dict(plain.state_dict())
+    assert torch.equal(pipe[1].rotary.inv_freq, plain[1].rotary.inv_freq)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), plain(x), rtol=1e-12, atol=0)
 
 
 def test_a_partial_initialisation_is_caught() -> None:

@@ -28,6 +28,11 @@ def check_clip_arguments(max_norm: object, norm_type: object) -> tuple[float, fl
     return float(max_norm), float(norm_type)
 
 
+# The dtypes a gradient norm can have (torch's norms of real and complex gradients): each
+# rank marks the ones its counted gradients' norm has, in the same all-reduce as its share.
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
     max_norm: float,
@@ -40,25 +45,32 @@ def clip_grad_norm_(
     device: torch.device,
 ) -> Tensor:
     """Clips the gradients of `parameters` (this rank's, each once) by the norm of every
-    gradient of the model, and returns that norm, the same tensor value on every rank.
+    gradient of the model, and returns that norm, bitwise the same tensor on every rank.
 
     A tensor whose id is in `counted_elsewhere` (a tied weight's copy that another rank
     counts) is clipped but left out of this rank's share of the norm; `reduce` combines the
     shares of the ranks: the p-th powers summed, or the maxima for the inf-norm, so the cost
-    is one all-reduce of one number."""
+    is one all-reduce of a few numbers. The norm's dtype is the one torch gives the whole
+    model's: every rank's counted gradients' dtypes promoted together (the default dtype
+    when no rank counts any), agreed in that all-reduce, so that a rank counting nothing
+    (all its parameters are tied copies counted elsewhere) clips by the same factor as the
+    others and the tied copies stay equal."""
     with_grad = [p for p in parameters if p.grad is not None]
     counted = [p.grad for p in with_grad if p.grad is not None and id(p) not in counted_elsewhere]
     local = torch.nn.utils.get_total_norm(counted, norm_type, False, foreach)
-    dtype = local.dtype if counted else torch.float32
-    share = local.to(device=device, dtype=torch.float64)
+    # [share, one mark per dtype in NORM_DTYPES]: a sum (or max) > 0 means some rank has it.
+    shares = torch.zeros(1 + len(NORM_DTYPES), dtype=torch.float64, device=device)
+    shares[0] = local.to(device=device, dtype=torch.float64)
+    if counted:
+        shares[1 + _dtype_index(local.dtype)] = 1.0
     if reduce is not None:
         if math.isinf(norm_type):
-            reduce(share, "max")
+            reduce(shares, "max")
         else:
-            share = share.pow(norm_type)
-            reduce(share, "sum")
-            share = share.pow(1.0 / norm_type)
-    total = share.to(dtype)
+            shares[0] = shares[0].pow(norm_type)
+            reduce(shares, "sum")
+            shares[0] = shares[0].pow(1.0 / norm_type)
+    total = shares[0].to(_agreed_dtype(shares[1:].tolist()))
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the pipe's gradients is non-finite, so "
@@ -66,3 +78,24 @@ def clip_grad_norm_(
         )
     torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
+
+
+def _dtype_index(dtype: torch.dtype) -> int:
+    if dtype not in NORM_DTYPES:
+        raise TypeError(
+            f"pipe.clip_grad_norm_ supports gradients whose norm is one of {NORM_DTYPES}, "
+            f"got a norm of dtype {dtype}"
+        )
+    return NORM_DTYPES.index(dtype)
+
+
+def _agreed_dtype(marks: list[float]) -> torch.dtype:
+    """The promotion of the dtypes some rank marked, as torch stacks the norms of gradients
+    of several dtypes; torch's default dtype when none did (torch's norm of no gradient)."""
+    present = [dtype for dtype, mark in zip(NORM_DTYPES, marks, strict=True) if mark > 0]
+    if not present:
+        return torch.get_default_dtype()
+    agreed = present[0]
+    for dtype in present[1:]:
+        agreed = torch.promote_types(agreed, dtype)
+    return agreed

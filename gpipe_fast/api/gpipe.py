@@ -30,12 +30,10 @@ from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.distributed.shm_links import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
-    ADVICE,
     InitFn,
+    Unfilled,
     Uninitialised,
-    describe,
     materialize,
-    still_uninitialised,
     warn_uninitialised,
 )
 from gpipe_fast.nn.microbatch import Value, as_tensors
@@ -110,7 +108,8 @@ class GPipe(nn.Module):
     A model built on the meta device gets memory for this process's cells only, each layer's
     ``reset_parameters()`` and then ``init_fn(module)`` on every module when given; a tensor
     that none of them reached is named in a warning, and the pipe refuses to run until it is
-    loaded or set.
+    loaded or set (a non-persistent buffer, which no state dict holds: re-created by
+    ``init_fn`` or set); across processes that refusal fails the step on every rank.
     """
 
     def __init__(
@@ -190,13 +189,14 @@ class GPipe(nn.Module):
         # Another process's cell stays as it is (on the meta device, it never holds memory).
         # Tensors that came from the meta device with no initialisation are remembered: the
         # pipe refuses to run until they are loaded or set.
-        self._uninitialised: list[Uninitialised] = []
+        uninitialised: list[Uninitialised] = []
         for k, device in enumerate(self.devices):
             if here[k]:
                 cells[k], left = materialize(cells[k], device, init_fn)
-                self._uninitialised += left
-        if self._uninitialised:
-            warn_uninitialised(self._uninitialised)
+                uninitialised += left
+        if uninitialised:
+            warn_uninitialised(uninitialised)
+        self._unfilled = Unfilled(uninitialised)
         retie(cells, ties, here)
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
@@ -239,6 +239,7 @@ class GPipe(nn.Module):
                 tied=tied,
                 skips=skips,
                 hosts=hosts,
+                ready=self._unfilled.check,
             )
             if cells
             else None
@@ -339,9 +340,10 @@ class GPipe(nn.Module):
         if self._pipeline is None:  # no cells: the identity, for Tensors only
             as_tensors(input, "input")
             return input
-        self._check_initialised()
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
+            # Checked at the step's start on every rank (see _check_initialised).
             return forward_across_processes(self._pipeline, input, self.chunks)  # type: ignore[return-value]
+        self._unfilled.check()
         return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
@@ -408,13 +410,13 @@ class GPipe(nn.Module):
         foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for the whole model: returns the norm of every
-        gradient of the model (a tensor, the same value on every rank) and scales this
-        rank's gradients by ``max_norm / norm`` when that is below 1.
+        gradient of the model (a tensor, bitwise the same value and dtype on every rank) and
+        scales this rank's gradients by ``max_norm / norm`` when that is below 1.
 
         The norm covers every cell on every rank of ``pp_group``; a tied weight counts once
         however many cells and ranks hold it, and ``dp_group`` replicas (whose gradients
-        are already summed) count once. Across processes it costs one all-reduce of one
-        number over ``pp_group``; call it on every rank, after the step's backward.
+        are already summed) count once. Across processes it costs one all-reduce of a few
+        numbers over ``pp_group``; call it on every rank, after the step's backward.
         ``norm_type`` is a number > 0 or ``"inf"``; ``max_norm <= 0`` or another norm raises
         ValueError."""
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
@@ -462,15 +464,11 @@ class GPipe(nn.Module):
         return loss
 
     def _check_initialised(self) -> None:
-        """Refuses to run while a tensor built on the meta device holds no values yet."""
-        if not self._uninitialised:
-            return
-        self._uninitialised = still_uninitialised(self._uninitialised)
-        if self._uninitialised:
-            raise RuntimeError(
-                f"gpipe_fast: {len(self._uninitialised)} tensor(s) built on the meta device hold "
-                f"no values yet: {describe(self._uninitialised)}; {ADVICE}"
-            )
+        """Refuses to run while a tensor built on the meta device holds no values yet. A
+        step across processes checks at its start on every rank instead (the pipeline's
+        `ready`), where this rank's refusal ends the step on every rank, each naming it."""
+        if self._pipeline is None or self._pipeline.cross is None:
+            self._unfilled.check()
 
     def record_timeline(self, on: bool = True) -> None:
         """Records when each task of the next steps starts and ends (off by default: then

@@ -9,7 +9,7 @@ from torch import nn
 
 def register(module: nn.Module) -> None:
     """Installs the hooks on `module`, a GPipe (it has `_cell_of`, `_layer_names` and
-    `_uninitialised`)."""
+    `_unfilled`)."""
     module._register_state_dict_hook(_strip_cell_prefix)
     module._register_load_state_dict_pre_hook(_add_cell_prefix, with_module=True)
     module.register_load_state_dict_post_hook(_name_keys_as_the_model)
@@ -71,8 +71,7 @@ def _add_cell_prefix(module: Any, state: dict[str, Any], prefix: str, *_: Any) -
             loaded.add(name)
         elif layer in module._layer_names:
             del state[key]  # a layer of another process's cells
-    if module._uninitialised:
-        module._uninitialised = [u for u in module._uninitialised if u.name not in loaded]
+    module._unfilled.loaded(loaded)
 
 
 def _name_keys_as_the_model(module: Any, incompatible: Any) -> None:

@@ -53,13 +53,18 @@ def rank_share(
     chunks: int,
     *,
     needs_target: bool,
+    ready: Callable[[], None] | None = None,
 ) -> RankShare:
     """This rank's share of a step: cell 0's rank needs `input` (and tells the others its
     batch size), the last cell's rank `target` when `needs_target`; the others may pass
-    None. Refuses a step after a failed one."""
+    None. Refuses a step after a failed one, and one that `ready` raises for."""
     groups.check_usable()
     first, last = layout.is_local(0), layout.is_local(layout.stages - 1)
-    try:  # a bad argument here is every rank's failed step, not a wait until the timeout
+    # A bad argument or a rank that cannot run is every rank's failed step, with its cause,
+    # not a wait until the timeout (or the end of the refusing rank's process).
+    try:
+        if ready is not None:
+            ready()
         if first and input is None:
             raise ValueError(f"input: rank {layout.pp_index} runs cell 0 and needs it")
         if needs_target and last and target is None:
@@ -86,11 +91,13 @@ class CrossProcess:
         groups: ProcessGroups,
         tied: TiedGradients | None,
         report: Callable[[BaseException], None],
+        ready: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
         self.groups = groups
         self.tied = tied
         self.report = report
+        self.ready = ready  # raises when this rank cannot run a step (see rank_share)
 
     def share(
         self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
@@ -98,7 +105,7 @@ class CrossProcess:
         """This rank's share of a step (see rank_share)."""
         return rank_share(
             self.layout, self.groups, self.report, input, target, chunks,
-            needs_target=needs_target,
+            needs_target=needs_target, ready=self.ready,
         )  # fmt: skip
 
     def run(

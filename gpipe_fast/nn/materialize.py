@@ -25,6 +25,12 @@ class Uninitialised:
         """The tensor now (a load with assign=True replaces it)."""
         return getattr(self.owner, self.attribute)  # type: ignore[no-any-return]
 
+    @property
+    def in_state_dict(self) -> bool:
+        """False for a non-persistent buffer (register_buffer(..., persistent=False), such as
+        a rotary embedding's inv_freq): no state dict holds it, so no load can fill it."""
+        return self.attribute not in self.owner._non_persistent_buffers_set
+
 
 def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """Every submodule once, children before their parent: a parent's initialisation runs
@@ -128,17 +134,39 @@ def describe(left: list[Uninitialised], limit: int = 8) -> str:
     return ", ".join(names) + more
 
 
-ADVICE = (
+LOADABLE_ADVICE = (
     "their layers have no reset_parameters(); pass GPipe(..., init_fn=fn), which is called on "
     "every module of this process's cells after their own initialisation (e.g. a model's "
     "_init_weights), or load a checkpoint with pipe.load_state_dict(...) before the first step"
 )
+BUFFER_ADVICE = (
+    "no state dict holds them, so no load can fill them: pass GPipe(..., init_fn=fn) with a "
+    "function that re-creates them on their module (for transformers' rotary embeddings a "
+    "model's own _init_weights does, e.g. init_fn=LlamaModel(config)._init_weights with that "
+    "model built on the meta device), or set them by hand before the first step"
+)
+
+
+def explain(left: list[Uninitialised]) -> str:
+    """Which tensors hold no values and how to fill them: those a state dict holds may also
+    be loaded, a non-persistent buffer only re-created (init_fn) or set."""
+    loadable = [u for u in left if u.in_state_dict]
+    buffers = [u for u in left if not u.in_state_dict]
+    parts = []
+    if loadable:
+        parts.append(f"{describe(loadable)}: {LOADABLE_ADVICE}")
+    if buffers:
+        parts.append(
+            f"the non-persistent buffers (register_buffer(..., persistent=False)) "
+            f"{describe(buffers)}: {BUFFER_ADVICE}"
+        )
+    return "; ".join(parts)
 
 
 def warn_uninitialised(left: list[Uninitialised]) -> None:
     warnings.warn(
         f"gpipe_fast: {len(left)} tensor(s) built on the meta device were given memory but no "
-        f"values: {describe(left)}; {ADVICE}. Until then the pipe refuses to run.",
+        f"values: {explain(left)}. Until then the pipe refuses to run.",
         UserWarning,
         stacklevel=3,
     )
@@ -146,5 +174,31 @@ def warn_uninitialised(left: list[Uninitialised]) -> None:
 
 def still_uninitialised(left: list[Uninitialised]) -> list[Uninitialised]:
     """Those of `left` that nothing has filled since: a floating tensor holding no NaN any
-    more was loaded or set by hand (integer ones leave the list when loaded, see GPipe)."""
+    more was loaded or set by hand (integer ones leave the list when loaded, see Unfilled)."""
     return [u for u in left if not _can_hold_nan(u.tensor()) or bool(u.tensor().isnan().any())]
+
+
+class Unfilled:
+    """This process's tensors that came from the meta device with no values: the pipe runs
+    once each is loaded or set (`check` raises until then)."""
+
+    def __init__(self, left: list[Uninitialised]) -> None:
+        self.left = left
+
+    def __bool__(self) -> bool:
+        return bool(self.left)
+
+    def loaded(self, names: set[str]) -> None:
+        """Forgets the tensors a state dict just loaded (the model's keys `names`)."""
+        self.left = [u for u in self.left if u.name not in names]
+
+    def check(self) -> None:
+        """RuntimeError naming what still holds no values, and how to fill it."""
+        if not self.left:
+            return
+        self.left = still_uninitialised(self.left)
+        if self.left:
+            raise RuntimeError(
+                f"gpipe_fast: {len(self.left)} tensor(s) built on the meta device hold no "
+                f"values yet: {explain(self.left)}"
+            )

@@ -17,7 +17,7 @@ recompute, backward or its input and weight halves), in the order of its kind: "
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +102,7 @@ class Pipeline:
         tied: TiedGradients | None = None,
         skips: SkipLayout | None = None,
         hosts: HostPeers | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
         self.tied = tied
@@ -175,8 +176,11 @@ class Pipeline:
             self.reduce_gradients if reduce_grad else None,
             skips,
         )
+        # `ready` (raising when this rank cannot run: tensors built on the meta device with
+        # no values) is asked at each step's start, so that its error ends the step on every
+        # rank like a failure during it.
         self.cross = (
-            CrossProcess(self.layout, self.groups, tied, self.task_failed)
+            CrossProcess(self.layout, self.groups, tied, self.task_failed, ready)
             if self.groups is not None
             else None
         )
