@@ -25,7 +25,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_job(world: int, killed: int, pp: int) -> dict[int, tuple[int, int, str]]:
+def _run_job(world: int, killed: int, pp: int, *extra: str) -> dict[int, tuple[int, int, str]]:
     """Every rank of the job over gloo, rank 0 hosting the TCP store: rank -> (pid, exit
     code, stderr)."""
     port = _free_port()
@@ -35,7 +35,7 @@ def _run_job(world: int, killed: int, pp: int) -> dict[int, tuple[int, int, str]
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
                    OMP_NUM_THREADS="1")  # fmt: skip
         ranks.append(
-            subprocess.Popen([sys.executable, CASE, str(killed), str(pp)], env=env,
+            subprocess.Popen([sys.executable, CASE, str(killed), str(pp), *extra], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         )  # fmt: skip
     results = {}
@@ -81,3 +81,7 @@ def test_a_killed_rank_of_another_pipeline_is_not_blamed_on_a_live_rank() -> Non
     # pp 2 x dp 2: pipelines (0, 1) and (2, 3), replicas (0, 2) and (1, 3). Rank 1 sees rank
     # 3 die in their data-parallel sum; ranks 0 and 2 must name rank 3, not rank 1.
     _assert_survivors_name(_run_job(4, 3, pp=2), 3)
+
+
+def test_a_rank_killed_during_a_dcp_save_is_named(tmp_path: Path) -> None:
+    _assert_survivors_name(_run_job(2, 1, 2, "dcp", str(tmp_path / "checkpoint")), 1)

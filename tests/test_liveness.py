@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.liveness import Processes, ProcessId, has_ended, this_process
 
@@ -149,3 +150,22 @@ def test_a_broken_collective_of_several_other_hosts_blames_none() -> None:
         "ranks 1, 2)"
     )
     assert not store.check(["pipe/failure"])  # nobody named: rank 0's own report will say it
+
+
+def test_a_lost_connection_beside_the_pipe_is_named(
+    child: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guard = _guard(dist.HashStore(), [_as_seen(child)])
+    _kill(child)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)  # no process group here
+    named = rf"failed on rank 1: died \(process {child.pid} ended\); rank 0 lost the save"
+    with pytest.raises(PeerFailure, match=named), beside.naming_dead_ranks(guard, "the save"):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:41103")
+
+
+def test_other_errors_beside_the_pipe_pass_as_they_are() -> None:
+    guard = _guard(dist.HashStore(), [])
+    with pytest.raises(ValueError, match="mine"), beside.naming_dead_ranks(guard, "a save"):
+        raise ValueError("mine")
+    with pytest.raises(RuntimeError, match="mine"), beside.naming_dead_ranks(None, "a save"):
+        raise RuntimeError("mine: Connection reset by peer")
