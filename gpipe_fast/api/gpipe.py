@@ -6,6 +6,7 @@ import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, NoReturn, cast
 
@@ -25,6 +26,7 @@ from gpipe_fast.arguments import (
     check_timeout,
 )
 from gpipe_fast.device import host
+from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.host_peers import host_peers
 from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.distributed.shm_links import TransportChoice
@@ -429,6 +431,18 @@ class GPipe(nn.Module):
             reduce=groups.reduce_over_pipeline if groups is not None else None,
             device=groups.device if groups is not None else torch.device("cpu"),
         )  # fmt: skip
+
+    def naming_dead_ranks(self, what: str = "a collective") -> AbstractContextManager[None]:
+        """A context for torch.distributed's own collectives across the pipe's ranks (such as
+        ``torch.distributed.checkpoint.save``): a connection to another rank that breaks in
+        it (gloo's "Connection reset by peer") is raised as :class:`PeerFailure` naming the
+        rank that died, as a step's waits do (``what`` names the block in the message): a
+        rank of this host whose process ended, or the other rank of a job of two. The rank
+        named is reported like a failed step: the pipe refuses further steps. Other errors
+        pass as they are."""
+        pipeline = self._pipeline
+        groups = pipeline.groups if pipeline is not None else None
+        return beside.naming_dead_ranks(groups.guard if groups is not None else None, what)
 
     def eval_step(
         self, input: Value | None, target: Any, loss_fn: LossFn, *, reduction: str = "mean"

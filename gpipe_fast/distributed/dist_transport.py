@@ -141,7 +141,7 @@ class DistTransport:
             except ConnectionError as error:
                 self.guard.check()
                 channel = f"its channel to rank {peer} (sending {what})"
-                raise self.guard.lost(channel, None, error) from error
+                raise self.guard.lost(channel, None, error, (peer,)) from error
             return
         header = wire.encode(payload, self.device, self.inline_bytes)
         buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
@@ -268,7 +268,7 @@ class DistTransport:
         for (peer, _), sender in self.links.senders.items() if self.links is not None else ():
             if sender.queued_bytes:
                 what = f"rank {peer} to take in this step's messages"
-                self.guard.poll(sender.flush, what)
+                self.guard.poll(sender.flush, what, suspects=(peer,))
         for requests, _buffers, what, peer in self.sends:
             self.guard.wait(requests, f"{what} to be received", peer)
         self.sends.clear()

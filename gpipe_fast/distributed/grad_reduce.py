@@ -42,7 +42,7 @@ def sum_gradients(
         flat = _flatten_dense_tensors([p.grad for p in bucket])
         pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for bucket, flat, request in pending:
-        guard.wait(request, what)
+        guard.wait(request, what, group=group)
         grads = [p.grad for p in bucket if p.grad is not None]
         for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(summed)

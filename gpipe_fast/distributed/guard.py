@@ -11,12 +11,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from gpipe_fast import _C
+from gpipe_fast.distributed.liveness import Processes
 
 # How often a waiting rank looks in the store for another rank's failure.
 CHECK_EVERY_S = 0.05
 # How long, at most, the rank whose failure the others read stays at exit until they have
 # read it (the store may live in its process and end with it).
 LINGER_S = 10.0
+# How long a broken connection waits to see its other end's process end: a dying process's
+# sockets close an instant before its pid shows it ended.
+DEATH_GRACE_S = 0.2
 
 T = TypeVar("T")
 
@@ -30,6 +34,15 @@ atexit.register(_C.interpreter_exiting)
 
 class PeerFailure(RuntimeError):
     """Another rank's step failed, or a rank stopped answering: this rank's step stops too."""
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group (none for None)."""
+    if group is None:
+        return ()
+    import torch.distributed as dist  # only where there are groups
+
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def _first_line(error: BaseException) -> str:
@@ -93,10 +106,18 @@ class Guard:
     The first failure reported by any rank is the one every rank reads: a rank that fails
     because another did (its wait ended) cannot hide where the failure started. The rank
     that reported it stays at exit until the `peers` other ranks have read it, for at most
-    LINGER_S: the store may live in its process."""
+    LINGER_S: the store may live in its process. A rank that stopped answering is not waited
+    for: the guard knows every rank's process (`processes`), so that a rank of this host that
+    died is named, wherever the news of it comes from (a broken channel, the store gone)."""
 
     def __init__(
-        self, store: Any, prefix: str, rank: int, timeout_s: float, peers: int = 0
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        timeout_s: float,
+        peers: int = 0,
+        processes: Processes | None = None,
     ) -> None:
         self.store = store
         self.key = f"{prefix}/failure"
@@ -111,15 +132,19 @@ class Guard:
         self.failed_step = 0
         self.origin = False  # this rank's report is the failure every rank reads
         self.seen = False  # this rank has read another rank's failure (and said so)
+        self.processes = processes
+        # Ranks this one found dead or silent: they will not read a failure.
+        self.gone: set[int] = set()
         self._waiters = _Waiters(4)
         _lingering.add(self)
 
-    def report(self, message: str) -> None:
-        """Tells every rank that this one failed, unless a rank reported a failure first
-        (this rank's first report is kept locally either way)."""
+    def report(self, message: str, rank: int | None = None) -> None:
+        """Tells every rank that this one failed (or that `rank` did: it died), unless a
+        rank reported a failure first (this rank's first report is kept locally either
+        way)."""
         if self.local is not None:
             return
-        self.local = f"rank {self.rank}: {message}"
+        self.local = f"rank {self.rank if rank is None else rank}: {message}"
         record = f"{self.step}:{self.local}"  # which step failed, then where and why
         try:
             stored = self.store.compare_set(self.key, "", record)
@@ -141,37 +166,83 @@ class Guard:
                 self.seen = True
                 self.store.add(self.seen_key, 1)  # the reporting rank may leave now
             return message
-        except Exception as error:  # the store's server (rank 0) is gone
+        except Exception as error:  # the store's server (rank 0's process, say) is gone
             if self.local is not None:
                 return self.local
-            store_error = _first_line(error)
-            return f"a rank that stopped answering (the process group's store: {store_error})"
+            store = f"the process group's store stopped answering: {_first_line(error)}"
+            dead = self._dead()
+            if dead is not None:
+                return f"rank {dead[0]}: {dead[1]}; {store}"
+            if self.processes is not None:
+                store += "; no rank of this host died"
+            return f"a rank that stopped answering ({store})"
 
-    def linger(self, bound_s: float = LINGER_S) -> None:
-        """Returns once every peer has read this rank's failure, or after `bound_s`; at once
-        when the failure the ranks read is not this rank's."""
-        deadline = time.monotonic() + bound_s
+    def _ended(self, grace_s: float = 0.0) -> dict[int, int]:
+        """The ranks of this host whose process has ended: rank -> pid (looked for again
+        for up to `grace_s` while none has)."""
+        if self.processes is None:
+            return {}
+        deadline = time.monotonic() + grace_s
+        ended = self.processes.ended()
+        while not ended and time.monotonic() < deadline:
+            time.sleep(0.01)
+            ended = self.processes.ended()
+        self.gone |= set(ended)
+        return ended
+
+    def _dead(self, suspects: Sequence[int] = (), silent: bool = True) -> tuple[int, str] | None:
+        """(rank, how it ended) of the rank to blame for a lost connection: a rank of this
+        host whose process ended (one of `suspects`, the ranks at the other end, first),
+        else (with `silent`) the one other rank at the other end. None when neither is
+        known: the other end is a group of several ranks, none of this host dead."""
+        ended = self._ended(DEATH_GRACE_S)
+        if ended:
+            first = min(ended, key=lambda r: (r not in suspects, r))
+            how = f"died (process {ended[first]} ended)"
+            also = [f"rank {r} (process {pid})" for r, pid in sorted(ended.items()) if r != first]
+            return first, how + (f"; so did {', '.join(also)}" if also else "")
+        others = sorted(set(suspects) - {self.rank})
+        if not silent or len(others) != 1:
+            return None
+        (other,) = others
+        if self.processes is not None and self.processes.probed(other):
+            return other, "stopped answering (its process still runs)"  # it may still read
+        self.gone.add(other)
+        if self.processes is None:
+            return other, "stopped answering"
+        return other, "stopped answering (its host is another: its process cannot be seen)"
+
+    def linger(self, bound_s: float | None = None) -> bool:
+        """Returns once every peer still running has read this rank's failure (True), or
+        after `bound_s` (LINGER_S by default: False); at once when the failure the ranks read
+        is not this rank's, or the store is gone. A rank found dead or silent (`gone`) is
+        not waited for."""
+        deadline = time.monotonic() + (LINGER_S if bound_s is None else bound_s)
         while self.origin and time.monotonic() < deadline:
             try:
-                if int(self.store.add(self.seen_key, 0)) >= self.peers:
-                    return
+                self._ended()
+                if int(self.store.add(self.seen_key, 0)) >= self.peers - len(self.gone):
+                    return True
             except Exception:  # the store is gone: nobody can read it any more
-                return
+                return True
             time.sleep(CHECK_EVERY_S)
+        return not self.origin
 
     def check(self) -> None:
         message = self.failure()
         if message is not None:
             raise PeerFailure(f"gpipe_fast: the step failed on {message}")
 
-    def wait(self, request: Any, what: str, peer: int | None = None) -> None:
+    def wait(self, request: Any, what: str, peer: int | None = None, group: Any = None) -> None:
         """Waits for a torch.distributed request, or a list of them (`what` names them for
-        the messages)."""
+        the messages; `peer` is the rank they come from, `group` the process group of a
+        collective: where a lost connection may lead)."""
         requests: list[Any] = list(request) if isinstance(request, (list, tuple)) else [request]
         if all(r.is_completed() for r in requests):
             _wait_all(requests)  # done (NCCL and collectives report it): raise their errors
             return
         waiting = self._waiters.submit(requests)
+        suspects = _group_ranks(group) or (() if peer is None else (peer,))
         start = time.monotonic()
         while not waiting.done.wait(CHECK_EVERY_S):
             self.check()
@@ -179,13 +250,20 @@ class Guard:
                 raise self.timed_out(what, peer)
         if waiting.error is not None:
             self.check()  # a failure reported elsewhere explains it best
-            raise self.lost(what, peer, waiting.error) from waiting.error
+            raise self.lost(what, peer, waiting.error, suspects) from waiting.error
 
-    def poll(self, attempt: Callable[[float], T], what: str, peer: int | None = None) -> T:
+    def poll(
+        self,
+        attempt: Callable[[float], T],
+        what: str,
+        peer: int | None = None,
+        suspects: Sequence[int] = (),
+    ) -> T:
         """`attempt(seconds)`'s result, waited for on this thread in slices: `attempt` waits
         at most `seconds` and raises TimeoutError when nothing came (it is called again after
-        a look for another rank's failure), ConnectionError when the other end closed or
-        died. Bounded by the timeout, like `wait`, with the same messages."""
+        a look for another rank's failure), ConnectionError when the other end (`peer`, or
+        one of `suspects`) closed or died. Bounded by the timeout, like `wait`, with the same
+        messages."""
         start = time.monotonic()
         while True:
             try:
@@ -196,21 +274,42 @@ class Guard:
                     raise self.timed_out(what, peer) from None
             except ConnectionError as error:
                 self.check()  # the failure that closed the channel, as its rank reported it
-                raise self.lost(what, peer, error) from error
+                raise self.lost(what, peer, error, suspects) from error
 
     def timed_out(self, what: str, peer: int | None) -> PeerFailure:
         source = "" if peer is None else f" from rank {peer}"
+        waited = f"rank {self.rank} waited {self.timeout_s:g} s for {what}{source}"
+        dead = self._dead(() if peer is None else (peer,), silent=False)
+        if dead is not None:  # a rank of this host died: it is why
+            return self._blame(dead, waited)
         return PeerFailure(
-            f"gpipe_fast: rank {self.rank} waited {self.timeout_s:g} s for {what}{source}; "
-            "that rank failed or died (or the ranks run different programs: same model, "
-            "balance, chunks and schedule everywhere?)"
+            f"gpipe_fast: {waited}; that rank failed or died (or the ranks run different "
+            "programs: same model, balance, chunks and schedule everywhere?)"
         )
 
-    def lost(self, what: str, peer: int | None, error: BaseException) -> PeerFailure:
+    def lost(
+        self, what: str, peer: int | None, error: BaseException, suspects: Sequence[int] = ()
+    ) -> PeerFailure:
+        """The error of a connection to another rank that broke (`error`): `peer`, the rank
+        it led to, or one of `suspects`. A rank found dead (or the one rank at the other end)
+        is reported as the failure every rank reads, with what this rank saw."""
         source = "" if peer is None else f" from rank {peer}"
-        return PeerFailure(
-            f"gpipe_fast: rank {self.rank} lost {what}{source}: {_first_line(error)}"
-        )
+        suspects = suspects or (() if peer is None else (peer,))
+        lost = f"rank {self.rank} lost {what}{source}: {_first_line(error)}"
+        dead = self._dead(suspects)
+        if dead is not None:
+            return self._blame(dead, lost)
+        others = sorted(set(suspects) - {self.rank})
+        if len(others) > 1:  # a collective's group: any of them may have gone
+            lost += f" (the connection of one of ranks {', '.join(map(str, others))})"
+        return PeerFailure(f"gpipe_fast: {lost}")
+
+    def _blame(self, dead: tuple[int, str], seen: str) -> PeerFailure:
+        """Reports `dead` (a rank, how it ended: see _dead) as the step's failure, with what
+        this rank `seen`; the failure every rank reads, as a PeerFailure (an earlier report
+        wins)."""
+        self.report(f"{dead[1]}; {seen}", rank=dead[0])
+        return PeerFailure(f"gpipe_fast: the step failed on {self.failure() or self.local}")
 
 
 # Guards whose failure other ranks may still have to read when the process exits.

@@ -1,4 +1,4 @@
-"""Which processes of the job share this host: the ranks tell each other their host name."""
+"""Which processes of the job share this host: the ranks tell each other their host and pid."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpipe_fast.distributed.liveness import Processes, ProcessId, this_process
+
 
 @dataclass(frozen=True)
 class HostPeers:
     """The host of every rank of the default process group (a hash of its name), as this
-    rank (`rank`) learnt them."""
+    rank (`rank`) learnt them, and every rank's process (empty where not learnt)."""
 
     hosts: tuple[int, ...]
     rank: int
+    processes: tuple[ProcessId, ...] = ()
 
     @property
     def processes_here(self) -> int:
@@ -27,12 +30,23 @@ class HostPeers:
         """Whether global ranks `a` and `b` run on one host."""
         return self.hosts[a] == self.hosts[b]
 
+    def liveness(self) -> Processes | None:
+        """Every rank's process, to probe whether it ended (None when not learnt)."""
+        return Processes(self.processes, self.rank) if self.processes else None
+
 
 def host_peers() -> HostPeers:
-    """Every rank's host: one all-gather of a number per rank, so every rank must call it (as
-    every rank builds its pipe). LOCAL_WORLD_SIZE is not trusted: only torchrun sets it."""
+    """Every rank's host and process: one all-gather of four numbers per rank, so every rank
+    must call it (as every rank builds its pipe). LOCAL_WORLD_SIZE is not trusted: only
+    torchrun sets it."""
     digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
-    mine = int.from_bytes(digest, "big")
-    hosts = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(hosts, torch.tensor([mine], dtype=torch.int64))
-    return HostPeers(tuple(int(h.item()) for h in hosts), dist.get_rank())
+    me = this_process()
+    mine = torch.tensor([int.from_bytes(digest, "big"), me.pid, me.start, me.place])
+    rows = [torch.empty(4, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    values = [[int(v) for v in row.tolist()] for row in rows]
+    return HostPeers(
+        tuple(row[0] for row in values),
+        dist.get_rank(),
+        tuple(ProcessId(row[1], row[2], row[3]) for row in values),
+    )

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
 from gpipe_fast.distributed.guard import Guard, PeerFailure
+from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import BATCH_TAG, LOSS_TAG, ShmLinks
 from gpipe_fast.transport.wire import DTYPES
@@ -34,7 +35,13 @@ def _attempt() -> str:
 class ProcessGroups:
     """A pipe's steps across processes: the guard of their waits and what the ranks agree on."""
 
-    def __init__(self, layout: ProcessLayout, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        layout: ProcessLayout,
+        device: torch.device,
+        timeout_s: float,
+        hosts: HostPeers | None = None,
+    ) -> None:
         self.layout = layout
         self.device = device
         # The pipe's rings, once made, when they carry the step's agreed values (every rank on
@@ -47,6 +54,7 @@ class ProcessGroups:
             dist.get_rank(),
             timeout_s,
             peers=dist.get_world_size() - 1,
+            processes=hosts.liveness() if hosts is not None else None,
         )
 
     def check_usable(self) -> None:
@@ -78,7 +86,7 @@ class ProcessGroups:
     def _reduce(self, value: Tensor, op: str, group: Any) -> None:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
-        self.guard.wait(request, "a value every rank agrees on")
+        self.guard.wait(request, "a value every rank agrees on", group=group)
 
     def _broadcast(self, value: Tensor, source: int, tag: int, what: str) -> None:
         """`value` from global rank `source` to the pipeline group, in place: over the rings'
@@ -88,7 +96,7 @@ class ProcessGroups:
             self.links.broadcast(value, source, ranks, tag, self.guard, what)
             return
         request = dist.broadcast(value, source, group=self.layout.pp_group, async_op=True)
-        self.guard.wait(request, what, source)
+        self.guard.wait(request, what, source, self.layout.pp_group)
 
     def batch(self, local: int | None) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
@@ -99,7 +107,7 @@ class ProcessGroups:
         total = size.clone()
         if self.layout.dp_group is not None:
             request = dist.all_reduce(total, group=self.layout.dp_group, async_op=True)
-            self.guard.wait(request, "the replicas' batch sizes")
+            self.guard.wait(request, "the replicas' batch sizes", group=self.layout.dp_group)
         return int(size.item()), int(total.item())
 
     def loss(self, local: Tensor | None) -> Tensor:
@@ -118,5 +126,5 @@ class ProcessGroups:
         if self.layout.dp_group is not None:
             message[1] = 0.0
             request = dist.all_reduce(message, group=self.layout.dp_group, async_op=True)
-            self.guard.wait(request, "the replicas' losses")
+            self.guard.wait(request, "the replicas' losses", group=self.layout.dp_group)
         return message[0].to(DTYPES[code])

@@ -100,7 +100,7 @@ class ShmLinks:
                     except ConnectionError as error:
                         guard.check()
                         channel = f"its channel to rank {peer} ({what})"
-                        raise guard.lost(channel, None, error) from error
+                        raise guard.lost(channel, None, error, (peer,)) from error
             return
         ring = self.receivers[(source, CONTROL)]
         message = guard.poll(lambda seconds: ring.receive(tag, seconds), what, source)
@@ -245,4 +245,4 @@ def _bad_choice(choice: str | None) -> ValueError:
 
 def _all_max(value: torch.Tensor, layout: ProcessLayout, guard: Guard, what: str) -> None:
     request = dist.all_reduce(value, dist.ReduceOp.MAX, group=layout.pp_group, async_op=True)
-    guard.wait(request, what)
+    guard.wait(request, what, group=layout.pp_group)

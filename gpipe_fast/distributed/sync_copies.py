@@ -28,7 +28,7 @@ def broadcast_ties(
             param.detach() if param is not None else torch.empty(shape, dtype=dtype, device=device)
         )
         request = dist.broadcast(buffer, source, group=layout.pp_group, async_op=True)
-        guard.wait(request, "the tied parameters' initial values", source)
+        guard.wait(request, "the tied parameters' initial values", source, layout.pp_group)
 
 
 def broadcast_replicas(modules: Sequence[nn.Module], group: Any, guard: Guard) -> None:
@@ -45,7 +45,7 @@ def broadcast_replicas(modules: Sequence[nn.Module], group: Any, guard: Guard) -
     for bucket in buckets(tensors, BUCKET_BYTES):
         flat = _flatten_dense_tensors(bucket)
         request = dist.broadcast(flat, source, group=group, async_op=True)
-        guard.wait(request, "the replicas' initial weights", source)
+        guard.wait(request, "the replicas' initial weights", source, group)
         with torch.no_grad():
             for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 tensor.copy_(value)

@@ -141,7 +141,7 @@ class TiedGradients:
                     param.grad = torch.zeros_like(param)
                 grad = param.grad
             requests.append(dist.all_reduce(grad, group=self.layout.pp_group, async_op=True))
-        guard.wait(requests, "the tied parameters' gradients")
+        guard.wait(requests, "the tied parameters' gradients", group=self.layout.pp_group)
 
     def counted_elsewhere(self) -> set[int]:
         """This process's copies of the ties whose first cell another rank runs: that rank

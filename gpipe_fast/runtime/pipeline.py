@@ -132,18 +132,20 @@ class Pipeline:
         self.split_backward = schedule_kind(schedule).split_backward
         # The skip pairs sent between this pipe's ranks, found once for every step's transport.
         self.skips_between_ranks = skips_between_ranks(self.layout, skips)
+        # Across processes: every rank's host and process (its guard names a rank that died).
+        hosts = hosts or (host_peers() if self.layout.multi_process or reduce_grad else None)
         self.groups = (
-            ProcessGroups(self.layout, self.devices[self.layout.local_stages[0]], timeout_s)
-            if self.layout.multi_process or reduce_grad
+            ProcessGroups(self.layout, self.devices[self.layout.local_stages[0]], timeout_s, hosts)
+            if hosts is not None
             else None
         )
         # Rings to the pipeline group's ranks on this host (CPU cells), made once per pipe.
         self.links: ShmLinks | None = None
         self.transport = TransportChoice("in process", "every cell of the pipe runs here")
-        if self.groups is not None and self.layout.multi_process:
+        if self.groups is not None and hosts is not None and self.layout.multi_process:
             self.links, self.transport = connect(
                 self.layout,
-                hosts or host_peers(),
+                hosts,
                 self.groups.guard,
                 self.groups.device,
                 skips,
