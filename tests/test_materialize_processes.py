@@ -17,10 +17,12 @@ from torch import nn
         (1, "train_step", "shared memory"),
         (4, "eval_step", "shared memory"),
         (1, "pipe(x)", "shared memory"),
-        # Over gloo, rank 0 refuses: when rank 1 refused instead, rank 0 had begun its step
-        # (its sends left pending in gloo), and after the cluster's reset the next pipe's
-        # build hung in an all-reduce (the guide says to restart the job).
+        # Over gloo a refusing rank takes part in the step's first all-reduce, so that no rank
+        # starts a step another will not run: its messages would stay pending in gloo, and
+        # gloo's destructor of the group would wait for them for ever (a hang at the group's
+        # garbage collection, after the cluster's reset).
         (1, "train_step", "gloo"),
+        (4, "train_step", "gloo"),
     ],
 )
 def test_a_refusing_rank_gives_every_rank_its_cause(

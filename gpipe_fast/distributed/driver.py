@@ -62,6 +62,8 @@ def rank_share(
     first, last = layout.is_local(0), layout.is_local(layout.stages - 1)
     # A bad argument or a rank that cannot run is every rank's failed step, with its cause,
     # not a wait until the timeout (or the end of the refusing rank's process).
+    refusal: BaseException | None = None
+    given: tuple[Tensor, ...] = ()
     try:
         if ready is not None:
             ready()
@@ -70,10 +72,21 @@ def rank_share(
         if needs_target and last and target is None:
             raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
         given = as_tensors(input, "input") if first else ()
-        batch, total = groups.batch(batch_size(given, "input") if first else None)
+        size = batch_size(given, "input") if first else None
     except BaseException as error:
         report(error)
-        raise
+        if groups.agrees_over_rings:
+            raise  # its rings are closed: its peers' waits end
+        refusal, size = error, None
+    try:  # over the process group, a refusing rank takes part too (see ProcessGroups.batch)
+        batch, total = groups.batch(size, refused=refusal is not None)
+    except BaseException as error:
+        if refusal is None:
+            report(error)
+            raise
+        raise refusal from None
+    if refusal is not None:
+        raise refusal
     count = len(split_sizes(batch, chunks))
     with torch.no_grad():
         microbatches = scatter(input, chunks) if first and input is not None else []

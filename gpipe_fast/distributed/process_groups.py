@@ -83,10 +83,12 @@ class ProcessGroups:
         if self.layout.dp_group is not None:
             self._reduce(value, op, self.layout.dp_group)
 
-    def _reduce(self, value: Tensor, op: str, group: Any) -> None:
+    def _reduce(
+        self, value: Tensor, op: str, group: Any, what: str = "a value every rank agrees on"
+    ) -> None:
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         request = dist.all_reduce(value, reduce_op, group=group, async_op=True)
-        self.guard.wait(request, "a value every rank agrees on", group=group)
+        self.guard.wait(request, what, group=group)
 
     def _broadcast(self, value: Tensor, source: int, tag: int, what: str) -> None:
         """`value` from global rank `source` to the pipeline group, in place: over the rings'
@@ -98,17 +100,36 @@ class ProcessGroups:
         request = dist.broadcast(value, source, group=self.layout.pp_group, async_op=True)
         self.guard.wait(request, what, source, self.layout.pp_group)
 
-    def batch(self, local: int | None) -> tuple[int, int]:
+    @property
+    def agrees_over_rings(self) -> bool:
+        """Whether the step's agreed values travel over the rings' control lane."""
+        return self.links is not None
+
+    def batch(self, local: int | None, refused: bool = False) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
-        of cell 0 tells the others its input's size; replicas add theirs up."""
-        size = torch.tensor([local or 0], dtype=torch.int64, device=self.device)
+        of cell 0 tells the others its input's size; replicas add theirs up.
+
+        Over the process group, every rank takes part even when it `refused` the step (its
+        cause already reported), and says so in the same all-reduce: then no rank starts a
+        step that another will not run, whose messages would stay pending in the group (and
+        a later destruction of the group would wait for them for ever). Every rank raises:
+        the refusing one its own error (the caller's), the others PeerFailure naming it.
+        (Over the rings a refusing rank closes them instead, which ends its peers' waits.)"""
+        # [the batch size (cell 0's rank, others 0), ranks that refused the step]
+        message = torch.tensor([local or 0, int(refused)], dtype=torch.int64, device=self.device)
         if self.layout.multi_process:
-            self._broadcast(size, self.layout.global_rank(0), BATCH_TAG, "the batch size")
-        total = size.clone()
+            if self.agrees_over_rings:
+                self._broadcast(message, self.layout.global_rank(0), BATCH_TAG, "the batch size")
+                message[1] = int(refused)  # the source's refusal closed its rings instead
+            else:
+                self._reduce(message, "sum", self.layout.pp_group, "the batch size")
+        size = int(message[0].item())
         if self.layout.dp_group is not None:
-            request = dist.all_reduce(total, group=self.layout.dp_group, async_op=True)
-            self.guard.wait(request, "the replicas' batch sizes", group=self.layout.dp_group)
-        return int(size.item()), int(total.item())
+            self._reduce(message, "sum", self.layout.dp_group, "the replicas' batch sizes")
+        if message[1] > 0 and not refused:
+            self.guard.check()  # the refusing rank reported its cause before taking part
+            raise PeerFailure("gpipe_fast: the step failed on another rank, which refused it")
+        return size, int(message[0].item())
 
     def loss(self, local: Tensor | None) -> Tensor:
         """The loss of the whole batch on every rank, in the last cell's dtype: the last
