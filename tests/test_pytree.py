@@ -1,0 +1,112 @@
+"""Pytrees between cells (dicts, tuples holding None, namedtuples; ints, bools, strings): every
+schedule and checkpoint mode equals the plain nn.Sequential on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import pytree_cases as cases
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast import _C
+
+KINDS = {kind.name: kind.stages_per_worker for kind in _C.schedule_kinds()}
+MODES = ("never", "except_last", "always")
+SEED = 5
+TOLERANCE = {"rtol": 1e-12, "atol": 1e-13}
+
+
+def _reference(x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """The plain model on the whole batch: output, loss, and every gradient (x's too)."""
+    net = cases.model(SEED)
+    x = x.detach().clone().requires_grad_()
+    out = net(x)
+    loss = cases.loss_fn(out, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+    return {"out": out, "loss": loss.detach(), "x_grad": x.grad, "grads": grads}
+
+
+def _assert_grads(pipe: gf.GPipe, want: dict[str, torch.Tensor], what: str) -> None:
+    got = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys(), what
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, **TOLERANCE, msg=f"{what}: {name}")
+
+
+def _pipe(make_pipe: Any, schedule: str, checkpoint: str, chunks: int = 4) -> gf.GPipe:
+    devices = ["cpu"] * (2 if KINDS[schedule] == 2 else 4)
+    return make_pipe(  # type: ignore[no-any-return]
+        cases.model(SEED), [2, 2, 2, 2], devices=devices, chunks=chunks, schedule=schedule,
+        checkpoint=checkpoint,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", list(KINDS))
+def test_train_step_equals_the_plain_model(make_pipe: Any, schedule: str, checkpoint: str) -> None:
+    pipe = _pipe(make_pipe, schedule, checkpoint)
+    for step, size in enumerate([11, 8]):  # uneven micro-batches, then even ones
+        x, y = cases.batch(size, step)
+        want = _reference(x, y)
+        pipe.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_()
+        loss = pipe.train_step(x, y, cases.loss_fn)
+        what = f"{schedule}, {checkpoint}, step {step}"
+        torch.testing.assert_close(loss, want["loss"], **TOLERANCE, msg=what)
+        torch.testing.assert_close(x.grad, want["x_grad"], **TOLERANCE, msg=what)
+        _assert_grads(pipe, want["grads"], what)
+        assert pipe.eval_step(x, y, cases.loss_fn).item() == pytest.approx(
+            want["loss"].item(), rel=1e-12
+        )
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_pipe_call_and_backward_equal_the_plain_model(make_pipe: Any, checkpoint: str) -> None:
+    pipe = _pipe(make_pipe, "gpipe", checkpoint)
+    x, y = cases.batch(11, 0)
+    want = _reference(x, y)
+    x = x.clone().requires_grad_()
+    out = pipe(x)
+    # The output is gathered leaf by leaf: tensors joined along dim 0, the int kept.
+    assert type(out) is dict and out.keys() == want["out"].keys() and out["k"] == 2
+    torch.testing.assert_close(out["y"], want["out"]["y"], **TOLERANCE)
+    assert torch.equal(out["mask"], want["out"]["mask"]) and not out["mask"].requires_grad
+    cases.loss_fn(out, y).backward()
+    torch.testing.assert_close(x.grad, want["x_grad"], **TOLERANCE)
+    _assert_grads(pipe, want["grads"], checkpoint)
+    with torch.no_grad():
+        out = pipe(x)
+    torch.testing.assert_close(out["y"], want["out"]["y"], **TOLERANCE)
+
+
+def test_a_non_tensor_output_that_differs_between_micro_batches_is_named(make_pipe: Any) -> None:
+    # "rows" is each micro-batch's own size: it cannot be one value of the whole batch.
+    pipe = make_pipe(cases.model(SEED)[:4], [2, 2], devices=["cpu"] * 2, chunks=3)
+    x, _ = cases.batch(11, 0)
+    with pytest.raises(ValueError, match=r"output\['rows'\] is 4 in micro-batch 0 but 3"):
+        pipe(x)
+
+
+def test_a_list_between_cells_is_passed_whole(make_pipe: Any) -> None:
+    # A layer gets what the layer before returned as one argument (nn.Sequential's way).
+    class Listed(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[Any]:
+            return [x, x * 2, "two"]
+
+    class Summed(nn.Module):
+        def forward(self, pair: list[Any]) -> torch.Tensor:
+            assert type(pair) is list and pair[2] == "two"
+            return pair[0] + pair[1]
+
+    module = nn.Sequential(nn.Linear(3, 3), Listed(), Summed(), nn.Linear(3, 3)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    want = copy.deepcopy(module)(x)
+    for schedule in ("gpipe", "zero_bubble"):
+        pipe = make_pipe(copy.deepcopy(module), [2, 2], devices=["cpu"] * 2, schedule=schedule)
+        torch.testing.assert_close(pipe(x), want, **TOLERANCE)
+        pipe.train_step(x, want, nn.functional.mse_loss)
