@@ -1,16 +1,23 @@
 """A model whose layers pass pytrees (a dict holding a bool mask, ints and a string; a tuple
 holding None, an int and a tensor with no batch dim; a namedtuple holding a float, an int64
-tensor, a bool and that tensor again)."""
+tensor, a bool and that tensor again), and the cases of test_pytree.py run on both ranks of
+a Cluster."""
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 from typing import Any
 
 import torch
 from torch import nn
 
+import gpipe_fast as gf
+from gpipe_fast.distributed.shm_links import ENV, POISON_ENV
+
 WIDTH = 6
+CHECKPOINTS = ("always", "except_last", "never")
+TRANSPORTS = {"shared memory": "", "gloo": "gloo"}  # GPIPE_FAST_TRANSPORT's value for each
 
 Pair = namedtuple("Pair", ["h", "scale", "pos", "on", "cos"])
 
@@ -104,3 +111,54 @@ def batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(900 + step)
     x = torch.randn(size, WIDTH, generator=g, dtype=torch.float64)
     return x, torch.randn(size, WIDTH, generator=g, dtype=torch.float64)
+
+
+def both_transports(
+    rank: int, world: int, *, schedule: str, balance: list[int], batches: list[int], seed: int
+) -> dict[str, Any]:
+    """Per checkpoint mode and transport: each training step's loss and this rank's
+    gradients (as lists, compared bit for bit), the input's gradient on rank 0, then an
+    eval_step's loss and pipe(x)'s output under no_grad (on the last rank); and whether the
+    rings ran poisoned."""
+    import torch.distributed as dist
+
+    runs: dict[str, Any] = {}
+    saved = os.environ.get(ENV)
+    try:
+        for checkpoint in CHECKPOINTS:
+            for name, value in TRANSPORTS.items():
+                os.environ[ENV] = value
+                pipe = gf.GPipe(
+                    model(seed), balance, chunks=3, schedule=schedule, checkpoint=checkpoint,
+                    pp_group=dist.group.WORLD, timeout=60,
+                )  # fmt: skip
+                try:
+                    assert pipe.transport_kind == name, pipe.transport_reason
+                    runs[f"{checkpoint} {name}"] = _run(pipe, batches)
+                finally:
+                    pipe.close()
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
+    return {"runs": runs, "poisoned": os.environ.get(POISON_ENV) == "1"}
+
+
+def _run(pipe: gf.GPipe, batches: list[int]) -> dict[str, Any]:
+    steps = []
+    for step, size in enumerate(batches):
+        x, y = batch(size, step)
+        x.requires_grad_()
+        pipe.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, loss_fn)
+        grads = {n: p.grad.tolist() for n, p in pipe.named_parameters() if p.grad is not None}
+        x_grad = None if x.grad is None else x.grad.tolist()
+        steps.append({"loss": loss.item(), "grads": grads, "x_grad": x_grad})
+    x, y = batch(batches[0], 0)
+    evaluated = pipe.eval_step(x, y, loss_fn).item()
+    with torch.no_grad():
+        out = pipe(x)
+    output = None if out is None else {"y": out["y"].tolist(), "k": out["k"],
+                                       "mask": out["mask"].tolist()}  # fmt: skip
+    return {"steps": steps, "eval": evaluated, "output": output}

@@ -1,5 +1,6 @@
 """Pytrees between cells (dicts, tuples holding None, namedtuples; ints, bools, strings): every
-schedule and checkpoint mode equals the plain nn.Sequential on the whole batch."""
+schedule and checkpoint mode equals the plain nn.Sequential on the whole batch, in one process
+and across two (over shared memory and over gloo, bit for bit alike)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import pytree_cases as cases
 import torch
+from cluster import Cluster, values
 from torch import nn
 
 import gpipe_fast as gf
@@ -110,3 +112,48 @@ def test_a_list_between_cells_is_passed_whole(make_pipe: Any) -> None:
         pipe = make_pipe(copy.deepcopy(module), [2, 2], devices=["cpu"] * 2, schedule=schedule)
         torch.testing.assert_close(pipe(x), want, **TOLERANCE)
         pipe.train_step(x, want, nn.functional.mse_loss)
+
+
+# -- across processes ----------------------------------------------------------------------
+
+# Which boundary crosses: [2, 6] the tuple with None, [4, 4] the dict, [3, 5] the Pair (and
+# the other two between a zero_bubble cell's layers); two cells per rank: all three.
+BALANCES = {"gpipe": [2, 6], "1f1b": [4, 4], "zero_bubble": [3, 5]}
+BATCHES = [7, 12]  # uneven, then even micro-batches (chunks=3)
+
+
+@pytest.mark.parametrize("schedule", list(KINDS))
+def test_pytrees_across_processes_equal_the_plain_model(two: Cluster, schedule: str) -> None:
+    balance = BALANCES.get(schedule, [2, 2, 2, 2])
+    results = values(two.run("pytree_cases.both_transports", schedule=schedule,
+                             balance=balance, batches=BATCHES, seed=SEED))  # fmt: skip
+    assert all(r["poisoned"] for r in results), "the suite's rings run poisoned"
+    wanted = [_reference(*cases.batch(size, step)) for step, size in enumerate(BATCHES)]
+    for checkpoint in cases.CHECKPOINTS:
+        shm = [r["runs"][f"{checkpoint} shared memory"] for r in results]
+        gloo = [r["runs"][f"{checkpoint} gloo"] for r in results]
+        assert shm == gloo, f"{checkpoint}: shared memory and gloo differ"
+        for step, want in enumerate(wanted):
+            seen: set[str] = set()
+            for rank, run in enumerate(shm):
+                got = run["steps"][step]
+                what = f"{checkpoint}, rank {rank}, step {step}"
+                assert got["loss"] == pytest.approx(want["loss"].item(), rel=1e-12), what
+                for name, grad in got["grads"].items():
+                    torch.testing.assert_close(torch.tensor(grad, dtype=torch.float64),
+                                               want["grads"][name], **TOLERANCE,
+                                               msg=f"{what}, {name}")  # fmt: skip
+                    seen.add(name)
+            assert seen == set(want["grads"]), (checkpoint, step)
+            torch.testing.assert_close(torch.tensor(shm[0]["steps"][step]["x_grad"],
+                                                    dtype=torch.float64),
+                                       want["x_grad"], **TOLERANCE)  # fmt: skip
+        first = wanted[0]
+        assert all(run["eval"] == pytest.approx(first["loss"].item(), rel=1e-12) for run in shm)
+        # pipe(x) gives the output on the last cell's rank (rank 0 in zbv's V), None elsewhere.
+        outputs = [run["output"] for run in shm if run["output"] is not None]
+        assert len(outputs) == 1, [run["output"] is None for run in shm]
+        output = outputs[0]
+        assert output["k"] == 2 and output["mask"] == first["out"]["mask"].tolist()
+        torch.testing.assert_close(torch.tensor(output["y"], dtype=torch.float64),
+                                   first["out"]["y"].detach(), **TOLERANCE)  # fmt: skip
