@@ -15,6 +15,7 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.skip import pop, skippable, stash
 
 KINDS = {kind.name: kind.stages_per_worker for kind in _C.schedule_kinds()}
 MODES = ("never", "except_last", "always")
@@ -112,6 +113,24 @@ def test_a_list_between_cells_is_passed_whole(make_pipe: Any) -> None:
         pipe = make_pipe(copy.deepcopy(module), [2, 2], devices=["cpu"] * 2, schedule=schedule)
         torch.testing.assert_close(pipe(x), want, **TOLERANCE)
         pipe.train_step(x, want, nn.functional.mse_loss)
+
+
+def test_a_skip_across_cells_holding_a_dict_is_refused_by_name(make_pipe: Any) -> None:
+    @skippable(stash=["extra"])
+    class Stash(nn.Module):
+        def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+            yield stash("extra", {"x": x})
+            return x
+
+    @skippable(pop=["extra"])
+    class Pop(nn.Module):
+        def forward(self, x: torch.Tensor):  # type: ignore[no-untyped-def]
+            extra = yield pop("extra")
+            return x + extra["x"]
+
+    pipe = make_pipe(nn.Sequential(Stash(), Pop()), [1, 1], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"skip 'extra' stashed in cell 0 is a dict"):
+        pipe(torch.randn(4, 2))
 
 
 # -- across processes ----------------------------------------------------------------------
