@@ -69,8 +69,11 @@ def test_train_step_equals_the_plain_model(make_pipe: Any, schedule: str, checkp
 
 
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_pipe_call_and_backward_equal_the_plain_model(make_pipe: Any, checkpoint: str) -> None:
-    pipe = _pipe(make_pipe, "gpipe", checkpoint)
+@pytest.mark.parametrize("schedule", list(KINDS))
+def test_pipe_call_and_backward_equal_the_plain_model(
+    make_pipe: Any, schedule: str, checkpoint: str
+) -> None:
+    pipe = _pipe(make_pipe, schedule, checkpoint)
     x, y = cases.batch(11, 0)
     want = _reference(x, y)
     x = x.clone().requires_grad_()
