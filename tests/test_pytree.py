@@ -179,3 +179,16 @@ def test_pytrees_across_processes_equal_the_plain_model(two: Cluster, schedule: 
         assert output["k"] == 2 and output["mask"] == first["out"]["mask"].tolist()
         torch.testing.assert_close(torch.tensor(output["y"], dtype=torch.float64),
                                    first["out"]["y"].detach(), **TOLERANCE)  # fmt: skip
+
+
+def test_the_balancing_helpers_profile_layers_that_pass_pytrees() -> None:
+    # They feed the sample through the layers as the pipe does: a layer's output, whatever
+    # its structure, is the next one's input; its bytes are those of its tensors.
+    net = cases.model(SEED)
+    x, _ = cases.batch(8, 0)
+    sizes = gf.planning.profile.layer_output_bytes(net, x)
+    assert sizes[0] == x.numel() * 8 + x.numel()  # "h" (float64) and "mask" (bool)
+    assert len(gf.balance_by_time(2, net, x, repeats=1, warmup=0)) == 2
+    assert len(gf.balance_by_size(2, net, x)) == 2
+    plan = gf.plan(net, x, 2, 4, cost="time", schedule="zero_bubble")
+    assert sum(plan.balance) == len(net)
