@@ -210,13 +210,14 @@ def test_tuple_values_flow_between_layers() -> None:
     assert profile.backward[2] > 0.0
 
 
-def test_layer_output_must_be_tensors() -> None:
-    class Bad(nn.Module):
-        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-            return [x]
+def test_a_layer_output_may_be_any_pytree() -> None:
+    # As between cells: a list (or a dict, ...) is the next layer's input, its tensors count.
+    class Listed(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[object]:
+            return [x, "label"]
 
-    with pytest.raises(TypeError, match=r"module\[1\]"):
-        gp.profile_layers(nn.Sequential(nn.ReLU(), Bad()), torch.randn(2, 2), repeats=1)
+    profile = gp.profile_layers(nn.Sequential(nn.ReLU(), Listed()), torch.randn(2, 2), repeats=1)
+    assert profile.output_bytes == [16, 16]
 
 
 def test_in_place_first_layer_leaves_the_sample_alone() -> None:

@@ -86,13 +86,19 @@ def test_cell_error_reaches_caller_and_pipe_recovers(make_pipe, where: str, erro
     assert_same_run(pipe_run(pipe, module, x), reference_run(module, x))
 
 
-def test_cell_returning_a_non_tensor_is_a_type_error(make_pipe) -> None:
-    class Bad(nn.Module):
-        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-            return [x]
+def test_a_cell_output_that_cannot_be_gathered_is_named(make_pipe) -> None:
+    # Any pytree may be returned (a list here); the pipe's output is joined leaf by leaf, and
+    # a string that differs between micro-batches cannot be.
+    class Tagged(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[object]:
+            return [x, f"{x.size(0)} rows"]
 
-    pipe = make_pipe(nn.Sequential(nn.Linear(2, 2), Bad()), [1, 1], devices=["cpu", "cpu"])
-    with pytest.raises(TypeError, match="cell 1"):
+    pipe = make_pipe(
+        nn.Sequential(nn.Linear(2, 2), Tagged()), [1, 1], devices=["cpu", "cpu"], chunks=2
+    )
+    out = pipe(torch.randn(4, 2))
+    assert type(out) is list and out[1] == "2 rows" and out[0].shape == (4, 2)
+    with pytest.raises(ValueError, match=r"output\[1\] is '2 rows' in micro-batch 0 but '1 rows'"):
         pipe(torch.randn(3, 2))
 
 

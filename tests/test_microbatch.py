@@ -46,3 +46,25 @@ def test_gather_rejects_dtype_changes_and_ragged_tuples() -> None:
 def test_scatter_rejects_tensors_on_unsupported_devices() -> None:
     with pytest.raises(ValueError, match=r"input\[0\] is on device meta"):
         scatter(torch.empty(4, 2, device="meta"), 2)
+
+
+def test_gather_joins_a_pytree_leaf_by_leaf() -> None:
+    parts = [
+        {"h": torch.randn(3, 2), "mask": torch.rand(3) > 0.5, "k": 2, "none": None},
+        {"h": torch.randn(2, 2), "mask": torch.rand(2) > 0.5, "k": 2, "none": None},
+    ]
+    joined = gather(parts)
+    assert type(joined) is dict and joined["k"] == 2 and joined["none"] is None
+    assert torch.equal(joined["h"], torch.cat([parts[0]["h"], parts[1]["h"]]))
+    assert torch.equal(joined["mask"], torch.cat([parts[0]["mask"], parts[1]["mask"]]))
+
+
+def test_gather_names_the_pytree_leaf_that_differs() -> None:
+    with pytest.raises(ValueError, match=r"output\['n'\] is 3 in micro-batch 0 but 2 in "):
+        gather([{"h": torch.randn(3), "n": 3}, {"h": torch.randn(2), "n": 2}])
+    with pytest.raises(TypeError, match=r"another structure"):
+        gather([{"h": torch.randn(3)}, {"x": torch.randn(2)}])
+    with pytest.raises(TypeError, match=r"output\[1\] is a Tensor in micro-batch 0 but a "):
+        gather([[torch.randn(3), torch.randn(3)], [torch.randn(2), None]])
+    with pytest.raises(ValueError, match=r"output\['h'\] is a scalar tensor"):
+        gather([{"h": torch.tensor(1.0), "n": 3}])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+from collections import namedtuple
+from typing import Any
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from gpipe_fast.transport import wire
 
@@ -13,7 +16,10 @@ CPU = torch.device("cpu")
 
 
 def _round_trip(payload: wire.Payload) -> wire.Payload:
-    is_tuple, entries = wire.layout(wire.encode(payload, CPU))
+    """`payload` as gloo carries a message too large to inline: its header, then its
+    tensors (a pytree's pickled rest among them)."""
+    payload = wire.packed(payload)
+    kind, entries = wire.layout(wire.encode(payload, CPU))
     sent = iter(wire.tensors(payload))
     received = []
     for entry in entries:
@@ -24,7 +30,7 @@ def _round_trip(payload: wire.Payload) -> wire.Payload:
         tensor = next(sent)
         assert (tensor.dtype, tuple(tensor.shape)) == (dtype, shape)
         received.append(tensor.clone())
-    return wire.assemble(is_tuple, received)
+    return wire.assemble(kind, received)
 
 
 def test_a_lone_tensor_stays_a_tensor() -> None:
@@ -133,3 +139,50 @@ def test_a_shared_memory_message_views_the_received_bytes() -> None:
 def test_a_shared_memory_message_that_is_no_header_is_named() -> None:
     with pytest.raises(RuntimeError, match="did not start with a gpipe_fast header"):
         wire.message(bytearray(wire.HEADER_LENGTH * 8))
+
+
+Pair = namedtuple("Pair", ["h", "scale"])
+
+PYTREES = {
+    "dict": lambda: {"h": torch.randn(3, 4).double(), "mask": torch.randn(3, 4) > 0, "n": 3},
+    "tuple with None and an int": lambda: (torch.randn(2, 3), None, torch.randn(3, 2).t(), 3),
+    "namedtuple": lambda: Pair(torch.randn(2, 2).bfloat16(), 0.5),
+    "nested": lambda: [torch.arange(4), {"deep": (None, True, "s", torch.zeros(0, 2))}],
+    "no tensor": lambda: {"only": "values", "n": None},
+}
+
+
+def _assert_same_tree(got: Any, want: Any) -> None:
+    """Same structure and types, equal other leaves, equal tensors of the same dtype and
+    shape."""
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    assert got_spec == want_spec and type(got) is type(want)
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert torch.equal(a, b)
+        else:
+            assert type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("name", list(PYTREES))
+def test_a_pytree_round_trips_every_way_it_travels(name: str) -> None:
+    payload = PYTREES[name]()
+    _assert_same_tree(_round_trip(payload), payload)  # gloo, header then tensors
+    message = wire.encode(payload, CPU, wire.INLINE_BYTES)
+    assert wire.is_inline(message)
+    _assert_same_tree(wire.message(message.numpy()), payload)  # gloo, one message
+    _assert_same_tree(wire.message(_gathered(payload)), payload)  # shared memory
+
+
+def test_a_lone_tensor_and_a_tuple_of_tensors_are_not_pickled() -> None:
+    # The common cases keep the header alone: the payload itself is its message's entries.
+    x, pair = torch.randn(2), (torch.randn(2), None, torch.randn(3))
+    assert wire.packed(x) is x and wire.packed(pair) is pair
+    assert isinstance(wire.packed((x, 3)), wire.Packed)  # an int: pickled with the structure
+
+
+def test_a_leaf_that_cannot_be_pickled_is_named() -> None:
+    with pytest.raises(TypeError, match=r"cannot be pickled.*other leaves are: function"):
+        wire.gather({"h": torch.randn(2), "f": lambda: 0})

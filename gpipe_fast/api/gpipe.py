@@ -39,6 +39,7 @@ from gpipe_fast.nn.materialize import (
     warn_uninitialised,
 )
 from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.planning.balance import balance_by_params
 from gpipe_fast.runtime.context import LossFn
@@ -338,7 +339,7 @@ class GPipe(nn.Module):
         if self._pipeline is not None:
             self._pipeline.step_timeout = self._step_timeout
 
-    def forward(self, input: Value) -> Value:  # type: ignore[override]
+    def forward(self, input: Value) -> Tree:  # type: ignore[override]
         if self._pipeline is None:  # no cells: the identity, for Tensors only
             as_tensors(input, "input")
             return input

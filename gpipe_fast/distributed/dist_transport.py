@@ -25,8 +25,9 @@ class DistTransport:
     until the send task posts it (send_forward / send_backward on the communication worker),
     and the receive task (recv_forward / recv_backward) fetches one into the mailbox. Each
     message is a fixed-size header (structure, dtypes, shapes: they may change between
-    micro-batches and steps) then its tensors, tagged with its flow, boundary and
-    micro-batch. Every wait is bounded by the guard.
+    micro-batches and steps) then its tensors (a pytree other than a tensor or a tuple of
+    tensors ends them with its structure and other leaves, pickled), tagged with its flow,
+    boundary and micro-batch. Every wait is bounded by the guard.
 
     Between two ranks of one host on the CPU (`links`, the pipe's shared-memory rings) a
     message is the header and every tensor at once, in the ring of its flow; the receive
@@ -143,8 +144,12 @@ class DistTransport:
                 channel = f"its channel to rank {peer} (sending {what})"
                 raise self.guard.lost(channel, None, error, (peer,)) from error
             return
+        payload = wire.packed(payload)  # once, for the header and the tensors
         header = wire.encode(payload, self.device, self.inline_bytes)
-        buffers = [header] if wire.is_inline(header) else [header, *wire.tensors(payload)]
+        if wire.is_inline(header):
+            buffers = [header]
+        else:
+            buffers = [header, *wire.tensors(payload, self.device)]
         group = self.layout.pp_group
         requests = [dist.isend(t, dst=peer, group=group, tag=tag) for t in buffers]
         self.sends.append((requests, buffers, what, peer))
@@ -175,7 +180,7 @@ class DistTransport:
         self.guard.wait(request, what, peer)
         if wire.is_inline(header):  # the tensors came with it, laid out as over the rings
             return wire.message(header.numpy())
-        is_tuple, entries = wire.layout(header)
+        kind, entries = wire.layout(header)
         tensors = [
             None if e is None else torch.empty(e[1], dtype=e[0], device=self.device)
             for e in entries
@@ -184,7 +189,7 @@ class DistTransport:
         requests = [dist.irecv(t, src=peer, group=group, tag=tag) for t in tensors if t is not None]
         if requests:  # one hand-off to the guard's waiters for all of them
             self.guard.wait(requests, what, peer)
-        return wire.assemble(is_tuple, tensors)
+        return wire.assemble(kind, tensors)
 
     def _sender(self, flow: Flow, stage: int, microbatch: int) -> tuple[int, int]:
         """(rank, tag) of the message `stage` receives for `microbatch` in `flow`."""

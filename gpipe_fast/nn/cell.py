@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
 from gpipe_fast.nn.checkpoint import pass_flags
-from gpipe_fast.nn.microbatch import Value, as_tensors, like
+from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
 from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey, use_skip_tracker
 
@@ -54,7 +54,8 @@ def _global_hooks() -> bool:
     )
 
 
-# A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs,
+# A layer's boundary in a split (per-layer) forward: its detached input leaves and outputs
+# (the tensor leaves of what it took and returned, in order; other leaves need no gradient),
 # then the keys of the skips it popped and stashed. The popped skips' leaves end `inputs`
 # and the stashed skips' tensors end `outputs`, in the order of their keys.
 Boundary = tuple[tuple[Tensor, ...], tuple[Tensor, ...], tuple[SkipKey, ...], tuple[SkipKey, ...]]
@@ -102,7 +103,7 @@ class Cell:
 
     def run(
         self,
-        value: Value,
+        value: Tree,
         *,
         seed: int,
         microbatch: int,
@@ -112,7 +113,7 @@ class Cell:
         recomputing: bool = False,
         boundaries: list[Boundary] | None = None,
         skips: CellSkipTracker | None = None,
-    ) -> Value:
+    ) -> Tree:
         """The cell on one micro-batch under what its forward needs: its worker's settings,
         its stream, the caller's autocast, the pass flags, the task's own random generators
         and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
@@ -154,16 +155,16 @@ class Cell:
         return output
 
     def _forward(
-        self, value: Value, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
-    ) -> Value:
+        self, value: Tree, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
+    ) -> Tree:
         if skips is None:
             return self._layers(value, boundaries, None)
         with use_skip_tracker(skips):
             return self._layers(value, boundaries, skips)
 
     def _layers(
-        self, value: Value, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
-    ) -> Value:
+        self, value: Tree, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
+    ) -> Tree:
         module = self.module
         if boundaries is None:
             if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
@@ -172,9 +173,11 @@ class Cell:
             # frames, a few microseconds on every task.
             return module.forward(value)  # type: ignore[no-any-return]
         for layer in self.module:
-            inputs = as_tensors(value, "a layer's input")
+            # A layer gets what the one before returned as one argument, as nn.Sequential
+            # passes it (a tuple or a dict is not unpacked).
+            inputs = tensors_of(value)
             output = layer(value)
-            outputs = as_tensors(output, f"the output of layer {type(layer).__name__}")
+            outputs = tensors_of(output)
             if skips is not None and skips.cut:
                 popped, stashed = skips.take_layer()
                 boundaries.append((
@@ -185,8 +188,10 @@ class Cell:
                 ))  # fmt: skip
             else:
                 boundaries.append((inputs, outputs, (), ()))
-            # The next layer starts a graph of its own: a fresh leaf per output.
-            value = like([t.detach().requires_grad_(t.requires_grad) for t in outputs], output)
+            # The next layer starts a graph of its own: a fresh leaf per output tensor.
+            value = with_tensors(
+                output, [t.detach().requires_grad_(t.requires_grad) for t in outputs]
+            )
         return value
 
     def layer_parameters(self) -> list[list[Tensor]]:

@@ -6,8 +6,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
-# A value flowing between cells: what the user passes and what cells return.
+from gpipe_fast.nn.pytree import Tree, is_plain, leaf_names, tensors_of, with_tensors
+
+# The pipe's input (and target): a Tensor or a tuple of Tensors, split along dim 0. What
+# cells return and pass on may be any pytree (gpipe_fast.nn.pytree.Tree).
 Value = Tensor | tuple[Tensor, ...]
 
 
@@ -63,13 +67,20 @@ def scatter(value: Value, chunks: int) -> list[Value]:
     return [like([p[m] for p in pieces], value) for m in range(len(sizes))]
 
 
-def gather(values: list[Value], what: str = "output") -> Value:
-    """Concatenates micro-batch results along dim 0 (no copy for a single micro-batch).
+def gather(values: list[Tree], what: str = "output") -> Tree:
+    """Joins micro-batch results leaf by leaf: tensors concatenated along dim 0 (no copy for
+    a single micro-batch), any other leaf (an int, a string, None, ...) kept as it is, which
+    it must be in every micro-batch.
 
     Every micro-batch's result must have the same structure, each tensor a batch dim 0 shared
-    by its tuple, and the same dtypes: ValueError/TypeError naming `what` otherwise (a dtype
-    that changed between micro-batches is an error, never silently promoted)."""
-    rows = [as_tensors(v, what) for v in values]
+    by the result's tensors, the same dtypes and equal other leaves: ValueError/TypeError
+    naming `what` and the leaf otherwise (a dtype that changed between micro-batches is an
+    error, never silently promoted)."""
+    first = values[0]
+    if not is_plain(first):
+        _check_same_structure(values, what)
+    rows = [tensors_of(v) for v in values]
+    names = leaf_names(first, what)
     for m, row in enumerate(rows):
         if len(row) != len(rows[0]):
             raise TypeError(
@@ -79,7 +90,7 @@ def gather(values: list[Value], what: str = "output") -> Value:
         for i, t in enumerate(row):
             if t.dim() == 0:
                 raise ValueError(
-                    f"{what}[{i}] is a scalar tensor (micro-batch {m}); every tensor needs a "
+                    f"{names[i]} is a scalar tensor (micro-batch {m}); every tensor needs a "
                     "batch dim 0"
                 )
         sizes = sorted({t.size(0) for t in row})
@@ -87,15 +98,52 @@ def gather(values: list[Value], what: str = "output") -> Value:
             raise ValueError(
                 f"{what} tensors have different batch sizes (dim 0) in micro-batch {m}: {sizes}"
             )
-        for i, (t, first) in enumerate(zip(row, rows[0], strict=True)):
-            if t.dtype != first.dtype:
+        for i, (t, head) in enumerate(zip(row, rows[0], strict=True)):
+            if t.dtype != head.dtype:
                 raise TypeError(
-                    f"{what}[{i}] has dtype {first.dtype} in micro-batch 0 but {t.dtype} in "
+                    f"{names[i]} has dtype {head.dtype} in micro-batch 0 but {t.dtype} in "
                     f"micro-batch {m}; a cell must return the same dtypes for every micro-batch"
                 )
     if len(values) == 1:
-        return values[0]
-    return like([torch.cat(column) for column in zip(*rows, strict=True)], values[0])
+        return first
+    return with_tensors(first, [torch.cat(column) for column in zip(*rows, strict=True)])
+
+
+def _check_same_structure(values: list[Tree], what: str) -> None:
+    """Every micro-batch's result has the first one's structure, tensors in the same places
+    and equal other leaves (which gather keeps once)."""
+    paths, spec = pytree.tree_flatten_with_path(values[0])
+    for m, value in enumerate(values[1:], start=1):
+        leaves, other = pytree.tree_flatten(value)
+        if other != spec:
+            raise TypeError(
+                f"{what} of micro-batch {m} has another structure than that of micro-batch 0 "
+                f"({other} against {spec}); a cell must return the same structure for every "
+                "micro-batch"
+            )
+        for (path, head), leaf in zip(paths, leaves, strict=True):
+            name = f"{what}{pytree.keystr(path)}"
+            if isinstance(head, Tensor) != isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"{name} is a {type(head).__name__} in micro-batch 0 but a "
+                    f"{type(leaf).__name__} in micro-batch {m}"
+                )
+            if not isinstance(head, Tensor) and not _equal(head, leaf):
+                raise ValueError(
+                    f"{name} is {head!r} in micro-batch 0 but {leaf!r} in micro-batch {m}: a "
+                    "value other than a tensor is not joined across micro-batches, so the "
+                    "pipe's output may hold one only when it is the same in every micro-batch"
+                )
+
+
+def _equal(a: object, b: object) -> bool:
+    """Whether two leaves are the same value (one whose == is no plain bool is not)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def _describe(value: object) -> str:

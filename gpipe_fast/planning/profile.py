@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from gpipe_fast.arguments import check_choice, check_int, check_module, check_seconds
 from gpipe_fast.nn.microbatch import as_tensors
+from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
 
 Device = torch.device | str | int
 Sample = Tensor | tuple[Tensor, ...]
@@ -109,10 +110,6 @@ def _profiling_copy(layer: nn.Module, index: int, device: torch.device) -> nn.Mo
     return duplicate.to(device).train()
 
 
-def _tensors_of_output(value: object, index: int) -> tuple[Tensor, ...]:
-    return as_tensors(value, f"the output of module[{index}]")
-
-
 def _like(tensors: Sequence[Tensor], template: object) -> Sample:
     """Packs tensors the way `template` was packed: a lone Tensor or a tuple."""
     return tuple(tensors) if isinstance(template, tuple) else tensors[0]
@@ -122,15 +119,16 @@ def _nbytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _fresh_input(value: Sample, needs_grad: Sequence[bool]) -> Sample:
-    """`value` as a cell boundary hands it over: fresh autograd leaves. Each is then cloned so
-    that an in-place first op (ReLU(inplace=True)) neither trips over a leaf nor changes the
-    input of the next repeat."""
-    tensors = as_tensors(value, "sample")
+def _fresh_input(value: Tree, needs_grad: Sequence[bool]) -> Tree:
+    """`value` (the sample, or a layer's output: any pytree) as a cell boundary hands it
+    over: fresh autograd leaves for its tensors. Each is then cloned so that an in-place first
+    op (ReLU(inplace=True)) neither trips over a leaf nor changes the input of the next
+    repeat."""
+    tensors = tensors_of(value)
     fresh = [
         t.detach().requires_grad_(grad).clone() for t, grad in zip(tensors, needs_grad, strict=True)
     ]
-    return _like(fresh, value)
+    return with_tensors(value, fresh)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -153,9 +151,9 @@ def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Ten
     return roots, [torch.ones_like(t) for t in roots]
 
 
-def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Sample) -> None:
+def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Tree) -> None:
     """The backward of zero bubble: the input's gradient alone, then the weights'."""
-    wanted = [t for t in as_tensors(inputs, "sample") if t.requires_grad]
+    wanted = [t for t in tensors_of(inputs) if t.requires_grad]
     if wanted:
         torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
 
@@ -166,15 +164,14 @@ def _weight_backward(roots: list[Tensor], grads: list[Tensor], params: list[Tens
 
 def _profile_layer(
     layer: nn.Module,
-    value: Sample,
+    value: Tree,
     needs_grad: Sequence[bool],
-    index: int,
     device: torch.device,
     warmup: int,
     repeats: int | None,
     budget_s: float | None,
     split: list[list[float]] | None = None,
-) -> tuple[float, float, Sample]:
+) -> tuple[float, float, Tree]:
     """Median forward and backward seconds of one layer, and its (detached) output: over
     `repeats` measured runs after `warmup`, or (repeats None) over as many measured runs as
     fit in `budget_s` seconds from the layer's first run, at least one. With `split`, the
@@ -190,11 +187,11 @@ def _profile_layer(
     while True:
         inputs = _fresh_input(value, needs_grad)
         forward_s, output = _timed(device, layer, inputs)
-        roots, grads = _backward_roots(_tensors_of_output(output, index))
+        roots, grads = _backward_roots(tensors_of(output))
         backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
         if split is not None:
             inputs = _fresh_input(value, needs_grad)
-            roots, grads = _backward_roots(_tensors_of_output(layer(inputs), index))
+            roots, grads = _backward_roots(tensors_of(layer(inputs)))
             input_s = weight_s = 0.0
             if roots:
                 input_s = _timed(device, _split_backward, roots, grads, inputs)[0]
@@ -213,7 +210,7 @@ def _profile_layer(
                 enough = budget_s is None or _clock() - started >= budget_s
             if enough:
                 break
-    detached = _like([t.detach() for t in _tensors_of_output(output, index)], output)
+    detached = map_tensors(Tensor.detach, output)
     if split is not None:
         split[0].append(statistics.median(halves[0]))
         split[1].append(statistics.median(halves[1]))
@@ -258,7 +255,7 @@ def profile_layers(
     count, budget = _check_repeats(repeats, timeout)
     per_layer_s = None if budget is None else budget / len(module)
     tensors = as_tensors(sample, "sample")
-    value = _like([t.to(target) for t in tensors], sample)
+    value: Tree = _like([t.to(target) for t in tensors], sample)
     needs_grad = [t.requires_grad for t in tensors]
     upstream = any(needs_grad)  # does anything before this layer learn?
 
@@ -268,15 +265,13 @@ def profile_layers(
             work = _profiling_copy(layer, index, target)
             halves = [profile.backward_input, profile.backward_weight] if split else None
             forward_s, backward_s, value = _profile_layer(
-                work, value, needs_grad, index, target, warmup, count, per_layer_s, halves
+                work, value, needs_grad, target, warmup, count, per_layer_s, halves
             )
             profile.forward.append(forward_s)
             profile.backward.append(backward_s)
-            profile.output_bytes.append(_nbytes(_tensors_of_output(value, index)))
+            profile.output_bytes.append(_nbytes(tensors_of(value)))
             upstream = upstream or any(p.requires_grad for p in work.parameters())
-            needs_grad = [
-                upstream and t.is_floating_point() for t in _tensors_of_output(value, index)
-            ]
+            needs_grad = [upstream and t.is_floating_point() for t in tensors_of(value)]
             del work
     return profile
 
@@ -309,12 +304,12 @@ def layer_output_bytes(
     target = resolve_device(device, module)
     tensors = as_tensors(sample, "sample")
     # A copy even on the same device: an in-place first layer must not edit the caller's sample.
-    value: Sample = _like([t.detach().to(target, copy=True) for t in tensors], sample)
+    value: Tree = _like([t.detach().to(target, copy=True) for t in tensors], sample)
     sizes = []
     with torch.no_grad():
         for index, layer in enumerate(module):
             value = _profiling_copy(layer, index, target)(value)
-            sizes.append(_nbytes(_tensors_of_output(value, index)))
+            sizes.append(_nbytes(tensors_of(value)))
     return sizes
 
 

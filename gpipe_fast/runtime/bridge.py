@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.nn.microbatch import as_tensors
+from gpipe_fast.nn.pytree import tensors_of
 from gpipe_fast.runtime.runner import Runner
 from gpipe_fast.runtime.step import Step
 
@@ -56,7 +56,8 @@ class Exit(torch.autograd.Function):
     def forward(ctx: Any, step: Step, phony: Tensor) -> Any:  # type: ignore[override]
         outputs, step.gathered = step.gathered, ()
         ctx.step = step
-        ctx.sizes = [as_tensors(o, "output")[0].size(0) for o in step.last_stage().outputs]
+        # Each micro-batch's size: that of its first tensor (gather checked they agree).
+        ctx.sizes = [tensors_of(o)[0].size(0) for o in step.last_stage().outputs]
         ctx.integral = [not o.is_floating_point() for o in outputs]
         ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
         return outputs if len(outputs) > 1 else outputs[0]

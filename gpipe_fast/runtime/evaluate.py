@@ -23,6 +23,7 @@ from gpipe_fast.nn.microbatch import (
     scatter,
     scatter_target,
 )
+from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.runtime.pipeline import Pipeline
 from gpipe_fast.runtime.step import Step
@@ -51,7 +52,7 @@ def eval_step(
     return run.committed(lambda: run.train(step, schedule))  # type: ignore[no-any-return]
 
 
-def forward_across_processes(pipeline: Pipeline, input: Value | None, chunks: int) -> Value | None:
+def forward_across_processes(pipeline: Pipeline, input: Value | None, chunks: int) -> Tree:
     """pipe(x) under no_grad with pp_group: the output of the whole (this replica's) batch
     on the last cell's rank, None on the others. Cell 0's rank needs `input`."""
     assert pipeline.cross is not None, "a pipe across processes has its driver"

@@ -7,7 +7,7 @@ from typing import TypedDict
 
 import torch
 
-from gpipe_fast.nn.microbatch import as_tensors
+from gpipe_fast.nn.pytree import tensors_of
 from gpipe_fast.runtime.pipeline import Pipeline
 from gpipe_fast.runtime.step import Step
 
@@ -30,7 +30,7 @@ def stash_bytes(steps: Iterable[Step], cell: int) -> int:
         for value in [] if stage is None else stage.inputs:
             if value is None:
                 continue
-            for tensor in as_tensors(value, "stashed input"):
+            for tensor in tensors_of(value):
                 storage = tensor.untyped_storage()
                 storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())

@@ -44,11 +44,11 @@ from gpipe_fast.nn.microbatch import (
     as_tensors,
     batch_size,
     gather,
-    like,
     loss_weights,
     scatter,
     scatter_target,
 )
+from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.runtime.bridge import Enter, Exit
@@ -305,7 +305,7 @@ class Pipeline:
 
     # -- pipe(x) ---------------------------------------------------------------------------
 
-    def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Value:
+    def run(self, input: Value, chunks: int, checkpoint: str, training: bool) -> Tree:
         if self.groups is not None and (torch.is_grad_enabled() or self.layout.multi_process):
             raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: gpipe_fast.runtime.evaluate
         with torch.no_grad():
@@ -324,11 +324,15 @@ class Pipeline:
         outputs = self.runner.committed(lambda: self.runner.forward(step))
         if not track:
             return gather(outputs)
-        step.gathered = as_tensors(gather([_detached(o) for o in outputs]), "output")
+        gathered = gather([map_tensors(Tensor.detach, o) for o in outputs])
+        step.gathered = tensors_of(gathered)
+        if not step.gathered:
+            return gathered  # no tensor: nothing for a backward to reach, as in the plain model
         inputs = [t for t, needs in zip(given, input_needs_grad, strict=True) if needs]
         phony = Enter.apply(self.runner, step, self._phony, *inputs)
         result = Exit.apply(step, phony)
-        return like(as_tensors(result, "output"), outputs[0])
+        # The output's structure and other leaves as gathered, its tensors from Exit.
+        return with_tensors(gathered, tensors_of(result))
 
     # -- train_step ------------------------------------------------------------------------
 
@@ -433,10 +437,6 @@ class Pipeline:
             self.links = None
         if self.recompute_memory is not None:
             self.recompute_memory.close()
-
-
-def _detached(value: Value) -> Value:
-    return like([t.detach() for t in as_tensors(value, "output")], value)
 
 
 def _accumulate_input_grads(

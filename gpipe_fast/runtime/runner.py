@@ -15,7 +15,8 @@ from torch import Tensor
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
-from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.nn.microbatch import as_tensors
+from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.runtime.step import Step
 from gpipe_fast.schedule.cache import ScheduleCache
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
@@ -100,7 +101,7 @@ class Runner:
 
     # -- phases: on the caller's thread ----------------------------------------------------
 
-    def forward(self, step: Step) -> list[Value]:
+    def forward(self, step: Step) -> list[Tree]:
         """The fill-drain forward of pipe(x); the last stage's outputs."""
         schedule = self.schedules.forward(step.count)
         # Every micro-batch is a slice of the same input tensors: one is enough for devices.

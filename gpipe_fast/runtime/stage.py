@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.nn.cell import Boundary, Cell
-from gpipe_fast.nn.microbatch import Value, as_tensors, like
+from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.runtime.context import StepContext
 from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
@@ -96,8 +96,8 @@ class Stage:
         self.index = cell.index
         self.last = last
         count = step.count
-        self.inputs: list[Value | None] = [None] * count  # stashed for recompute and backward
-        self.outputs: list[Value | None] = [None] * count  # with their graphs, until backward
+        self.inputs: list[Tree] = [None] * count  # stashed for recompute and backward
+        self.outputs: list[Tree] = [None] * count  # with their graphs, until backward
         self.boundaries: list[list[Boundary] | None] = [None] * count  # split backward only
         # Split backward: per micro-batch, the (outputs, gradients) of each learning layer,
         # left by backward_input for backward_weight.
@@ -131,8 +131,10 @@ class Stage:
         self.copying = True
         received = step.transport.recv(ACTIVATION, k, m)
         self.copying = False
-        tensors = as_tensors(received, "input" if k == 0 else f"output of stage {k - 1}")
-        value = tensors[0] if isinstance(received, Tensor) else tensors
+        # Any pytree: its tensors (fresh leaves, detached by the transport) are what may need
+        # a gradient; its other leaves are values, passed on as they are.
+        value = received
+        tensors = tensors_of(received)
         for tensor, needs in zip(tensors, step.input_grad_flags(k, tensors), strict=True):
             tensor.requires_grad_(needs)
         checkpointing = step.track and step.checkpointed[k][m]
@@ -147,7 +149,6 @@ class Stage:
             boundaries=boundaries,
             skips=tracker,
         )
-        as_tensors(output, f"the output of stage {k}")
         if tracker is not None:
             self._send_skips(m, tracker, keep=keep_graph and boundaries is None)
         if step.track:
@@ -198,8 +199,7 @@ class Stage:
         step = self.step
         output = self.outputs[m]
         assert output is not None and step.loss_fn is not None, "loss runs after a forward"
-        tensors = as_tensors(output, f"the output of stage {self.index}")
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_of(output)]
         if not self.step.track or self.step.checkpointed[self.index][m]:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
         target = step.target(self.index, m)
@@ -207,7 +207,7 @@ class Stage:
             self._enter_loss_context(stack)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
-            value = _scalar_loss(step.loss_fn(like(leaves, output), target))
+            value = _scalar_loss(step.loss_fn(with_tensors(output, leaves), target))
             # The weight enters as the loss's incoming gradient: no extra op in the graph.
             weight = step.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
@@ -242,7 +242,7 @@ class Stage:
 
     def backward(self, m: int) -> None:
         grads = self._receive_gradient(m)
-        outputs = as_tensors(self.outputs[m], f"the output of stage {self.index}")
+        outputs = tensors_of(self.outputs[m])
         roots, root_grads = [], []
         for output, grad in zip(outputs, grads, strict=True):
             if output.requires_grad and grad is not None:
@@ -262,7 +262,7 @@ class Stage:
             else:
                 with self.cell.streams.on(self.index), torch.enable_grad():
                     run_backward(roots, root_grads)
-        inputs = as_tensors(self.inputs[m], "input")
+        inputs = tensors_of(self.inputs[m])
         if self.receives:
             received = self.skips_in[m] or {}
             self._send_skip_grads(m, {key: _grad_of(received.get(key)) for key, _ in self.receives})
@@ -359,7 +359,7 @@ class Stage:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _run(self, value: Any, m: int, **kwargs: Any) -> Value:
+    def _run(self, value: Tree, m: int, **kwargs: Any) -> Tree:
         step = self.step
         return self.cell.run(value, seed=step.seed, microbatch=m, autocast=step.autocast, **kwargs)
 

@@ -113,6 +113,13 @@ class CellSkipTracker(SkipTracker):
         if cut:
             self.layer_stashed.append((key, tensor))  # type: ignore[arg-type]
         if key in self._sends:
+            if tensor is not None and not isinstance(tensor, Tensor):
+                # Only boundary values may be pytrees: a skip travels as one tensor.
+                raise TypeError(
+                    f"skip {name!r} stashed in cell {self.cell} is a {type(tensor).__name__}: "
+                    "a skip popped in another cell must be a Tensor or None (inside one "
+                    "cell it may hold anything; pass other values along the cells' outputs)"
+                )
             self.outgoing[key] = tensor
         elif cut and isinstance(tensor, Tensor):
             super().save(ns, name, tensor.detach().requires_grad_(tensor.requires_grad))

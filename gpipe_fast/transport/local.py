@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.nn.pytree import map_tensors
 from gpipe_fast.transport.protocol import ACTIVATION, Flow, Payload
 
 
@@ -37,9 +38,10 @@ class LocalTransport:
         device, receive = self.devices[stage], self.streams.receive
         if isinstance(payload, Tensor):
             return receive(payload.detach(), device, stage, from_caller=in_place)
-        return tuple(
-            None if t is None else receive(t.detach(), device, stage, from_caller=in_place)
-            for t in payload
+        # Each tensor leaf received (a gradient tuple's None entries, and any other leaf of
+        # an activation's pytree, stay as they are).
+        return map_tensors(
+            lambda t: receive(t.detach(), device, stage, from_caller=in_place), payload
         )
 
     def send_skip(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
@@ -12,8 +12,11 @@ Flow = Literal["activation", "gradient"]
 ACTIVATION: Flow = "activation"
 GRADIENT: Flow = "gradient"
 
-# What crosses: a lone tensor or a tuple (a gradient tuple has None where there is none).
-Payload = Tensor | tuple[Tensor | None, ...]
+# What crosses: an activation is any pytree of tensors and other values (what a cell
+# returned: a lone tensor, a tuple, a dict, a namedtuple, holding None, ints, ...); a
+# gradient is a tuple of one entry per tensor leaf of the activation, None where there is
+# none.
+Payload = Any
 
 
 class Transport(Protocol):

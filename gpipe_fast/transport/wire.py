@@ -9,11 +9,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from gpipe_fast.transport.packed import Packed, pack, unpack
 from gpipe_fast.transport.protocol import Payload
 
 # A fixed-size int64 header per message, so the receiver can post it before knowing
-# anything: [magic, is_tuple, count, then per entry: dtype code (-1: None), ndim, *shape].
+# anything: [magic, kind, count, then per entry: dtype code (-1: None), ndim, *shape].
 HEADER_LENGTH = 128
+# What the entries make: a lone tensor, a plain tuple of tensors and None (the common cases,
+# described by the header alone), or any other pytree (Packed: its tensors, then a uint8
+# entry holding its structure and other leaves pickled).
+TENSOR, TUPLE, TREE = 0, 1, 2
 MAGIC = 0x67705F66  # "gp_f"
 # The magic of a header whose message also carries the tensors (`inline_bytes` of room after
 # the header, each tensor at an offset aligned to ALIGN): one message, one round trip, where
@@ -44,10 +49,26 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def packed(payload: Payload) -> Payload:
+    """`payload` as message entries: itself when a lone tensor or a plain tuple of tensors
+    and None (also when already packed), else its Packed entries. Sending a payload packs
+    it; a sender that both encodes and sends the tensors packs it once, first."""
+    if isinstance(payload, Tensor):
+        return payload
+    kind = type(payload)
+    if kind is tuple:
+        for entry in payload:  # a loop, not all(): this runs on every message
+            if entry is not None and not isinstance(entry, Tensor):
+                return pack(payload)
+        return payload
+    return payload if kind is Packed else pack(payload)
+
+
 def _header_words(payload: Payload, inline: bool) -> list[int]:
-    """The header's words (HEADER_LENGTH of them) describing `payload`."""
+    """The header's words (HEADER_LENGTH of them) describing `payload` (packed)."""
     entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
-    header = [MAGIC_INLINE if inline else MAGIC, int(isinstance(payload, tuple)), len(entries)]
+    kind = TREE if type(payload) is Packed else TUPLE if isinstance(payload, tuple) else TENSOR
+    header = [MAGIC_INLINE if inline else MAGIC, kind, len(entries)]
     for entry in entries:
         if entry is None:
             header += [-1, 0]
@@ -69,6 +90,7 @@ def _header_words(payload: Payload, inline: bool) -> list[int]:
 def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Tensor:
     """The header describing `payload`, on `device`, followed by `inline_bytes` of room that
     holds the tensors themselves when they fit (inline: then nothing follows the message)."""
+    payload = packed(payload)
     entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
     sizes = [_aligned(t.numel() * t.element_size()) for t in entries if t is not None]
     inline = inline_bytes > 0 and sum(sizes) <= inline_bytes
@@ -78,7 +100,7 @@ def encode(payload: Payload, device: torch.device, inline_bytes: int = 0) -> Ten
     if inline:
         room = message[HEADER_LENGTH:].view(torch.uint8)
         at = 0
-        for entry, size in zip(tensors(payload), sizes, strict=True):
+        for entry, size in zip(_contiguous(payload), sizes, strict=True):
             nbytes = entry.numel() * entry.element_size()
             room[at : at + nbytes].copy_(entry.reshape(-1).view(torch.uint8))
             at += size
@@ -98,8 +120,9 @@ class Gathered(NamedTuple):
 
 def gather(payload: Payload) -> Gathered:
     """`payload` as the parts of one shared-memory message, with what owns their bytes."""
+    payload = packed(payload)
     header = array("q", _header_words(payload, inline=True))
-    contiguous = tensors(payload)
+    contiguous = _contiguous(payload)
     parts = [(header.buffer_info()[0], len(header) * header.itemsize)]
     parts += [(t.data_ptr(), t.numel() * t.element_size()) for t in contiguous]
     return Gathered(parts, (header, *contiguous))
@@ -109,7 +132,7 @@ def message(buffer: Any) -> Payload:
     """The payload of an inline message received whole in `buffer` (any object with the
     buffer protocol, kept alive by the tensors, which are views of it)."""
     words = memoryview(buffer).cast("B")[: HEADER_LENGTH * 8].cast("q")
-    is_tuple, entries = _entries(words.tolist())
+    kind, entries = _entries(words.tolist())
     out: list[Tensor | None] = []
     at = HEADER_LENGTH * 8
     for entry in entries:
@@ -123,7 +146,7 @@ def message(buffer: Any) -> Payload:
             continue
         out.append(torch.frombuffer(buffer, dtype=dtype, count=count, offset=at).view(shape))
         at += _aligned(count * dtype.itemsize)
-    return assemble(is_tuple, out)
+    return assemble(kind, out)
 
 
 def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
@@ -139,18 +162,18 @@ def is_inline(header: Tensor) -> bool:
 Entry = tuple[torch.dtype, tuple[int, ...]] | None  # a tensor's dtype and shape, or None
 
 
-def layout(header: Tensor) -> tuple[bool, list[Entry]]:
-    """(is_tuple, per entry its dtype and shape or None) from a received header."""
+def layout(header: Tensor) -> tuple[int, list[Entry]]:
+    """(kind, per entry its dtype and shape or None) from a received header."""
     return _entries(header[:HEADER_LENGTH].tolist())
 
 
-def _entries(values: list[int]) -> tuple[bool, list[Entry]]:
+def _entries(values: list[int]) -> tuple[int, list[Entry]]:
     if values[0] not in (MAGIC, MAGIC_INLINE):
         raise RuntimeError(
             "gpipe_fast: a boundary message did not start with a gpipe_fast header: the ranks "
             "run different programs (same model, balance, chunks and schedule on every rank?)"
         )
-    is_tuple, count, at = bool(values[1]), values[2], 3
+    kind, count, at = values[1], values[2], 3
     entries: list[Entry] = []
     for _ in range(count):
         code, ndim = values[at], values[at + 1]
@@ -160,14 +183,26 @@ def _entries(values: list[int]) -> tuple[bool, list[Entry]]:
             continue
         entries.append((DTYPES[code], tuple(values[at : at + ndim])))
         at += ndim
-    return is_tuple, entries
+    return kind, entries
 
 
-def tensors(payload: Payload) -> list[Tensor]:
-    """The tensors of a payload to send, contiguous, in order (None entries skipped)."""
+def tensors(payload: Payload, device: torch.device | None = None) -> list[Tensor]:
+    """The tensors of a payload to send (packed), contiguous, in order (None entries
+    skipped); a packed pytree's pickled entry moved to `device` (NCCL sends from there)."""
+    payload = packed(payload)
+    out = _contiguous(payload)
+    if type(payload) is Packed and device is not None:
+        out[-1] = out[-1].to(device)
+    return out
+
+
+def _contiguous(payload: Payload) -> list[Tensor]:
     entries = payload if isinstance(payload, tuple) else (payload,)
     return [t.detach().contiguous() for t in entries if t is not None]
 
 
-def assemble(is_tuple: bool, entries: Sequence[Tensor | None]) -> Payload:
-    return tuple(entries) if is_tuple else entries[0]  # type: ignore[return-value]
+def assemble(kind: int, entries: Sequence[Tensor | None]) -> Payload:
+    """The payload of a message of `kind` whose entries were received."""
+    if kind == TREE:
+        return unpack(entries)
+    return tuple(entries) if kind == TUPLE else entries[0]
