@@ -1,5 +1,8 @@
-"""torch.distributed's own collectives run beside a pipe (a DCP save): a broken connection in
-them raised as PeerFailure, naming the rank that died as the pipe's own waits do."""
+"""A broken connection in torch's collectives beside a pipe, raised as PeerFailure naming the dead.
+
+Those collectives (a DCP save, say) are torch's own: where a rank died in them, gloo says only
+"Connection reset by peer"; under `naming_dead_ranks` the rank that died is named, as the
+pipe's own waits do."""
 
 from __future__ import annotations
 
