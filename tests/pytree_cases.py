@@ -5,19 +5,16 @@ a Cluster."""
 
 from __future__ import annotations
 
-import os
 from collections import namedtuple
 from typing import Any
 
 import torch
 from torch import nn
+from transport_cases import over_both_transports
 
 import gpipe_fast as gf
-from gpipe_fast.distributed.shm_links import ENV, POISON_ENV
 
 WIDTH = 6
-CHECKPOINTS = ("always", "except_last", "never")
-TRANSPORTS = {"shared memory": "", "gloo": "gloo"}  # GPIPE_FAST_TRANSPORT's value for each
 
 Pair = namedtuple("Pair", ["h", "scale", "pos", "on", "cos"])
 
@@ -122,27 +119,11 @@ def both_transports(
     rings ran poisoned."""
     import torch.distributed as dist
 
-    runs: dict[str, Any] = {}
-    saved = os.environ.get(ENV)
-    try:
-        for checkpoint in CHECKPOINTS:
-            for name, value in TRANSPORTS.items():
-                os.environ[ENV] = value
-                pipe = gf.GPipe(
-                    model(seed), balance, chunks=3, schedule=schedule, checkpoint=checkpoint,
-                    pp_group=dist.group.WORLD, timeout=60,
-                )  # fmt: skip
-                try:
-                    assert pipe.transport_kind == name, pipe.transport_reason
-                    runs[f"{checkpoint} {name}"] = _run(pipe, batches)
-                finally:
-                    pipe.close()
-    finally:
-        if saved is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = saved
-    return {"runs": runs, "poisoned": os.environ.get(POISON_ENV) == "1"}
+    def make(checkpoint: str) -> gf.GPipe:
+        return gf.GPipe(model(seed), balance, chunks=3, schedule=schedule, checkpoint=checkpoint,
+                        pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+
+    return over_both_transports(make, lambda pipe: _run(pipe, batches))
 
 
 def _run(pipe: gf.GPipe, batches: list[int]) -> dict[str, Any]:

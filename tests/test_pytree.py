@@ -12,6 +12,7 @@ import pytree_cases as cases
 import torch
 from cluster import Cluster, values
 from torch import nn
+from transport_cases import CHECKPOINTS
 
 import gpipe_fast as gf
 from gpipe_fast import _C
@@ -151,7 +152,7 @@ def test_pytrees_across_processes_equal_the_plain_model(two: Cluster, schedule: 
                              balance=balance, batches=BATCHES, seed=SEED))  # fmt: skip
     assert all(r["poisoned"] for r in results), "the suite's rings run poisoned"
     wanted = [_reference(*cases.batch(size, step)) for step, size in enumerate(BATCHES)]
-    for checkpoint in cases.CHECKPOINTS:
+    for checkpoint in CHECKPOINTS:
         shm = [r["runs"][f"{checkpoint} shared memory"] for r in results]
         gloo = [r["runs"][f"{checkpoint} gloo"] for r in results]
         assert shm == gloo, f"{checkpoint}: shared memory and gloo differ"

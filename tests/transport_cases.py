@@ -4,6 +4,7 @@ shared memory and over gloo, every checkpoint mode, results kept bit for bit."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,43 +75,53 @@ def batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(size, WIDTH, generator=g, dtype=torch.float64)
 
 
-def both_transports(
-    rank: int, world: int, *, schedule: str, balance: list[int], batches: list[int], seed: int
+def over_both_transports(
+    make: Callable[[str], gf.GPipe], run: Callable[[gf.GPipe], Any]
 ) -> dict[str, Any]:
-    """Per checkpoint mode and transport, each step's loss and this rank's gradients (as
-    lists: compared bit for bit), then the parameters after an SGD step each; and whether the
-    rings ran poisoned."""
-    import torch.distributed as dist
-
+    """Per checkpoint mode and transport (keyed "<checkpoint> <transport>"), what `run`
+    returns for the pipe `make(checkpoint)` builds with GPIPE_FAST_TRANSPORT set for that
+    transport (closed after); and whether the rings ran poisoned."""
     runs: dict[str, Any] = {}
     saved = os.environ.get(ENV)
     try:
         for checkpoint in CHECKPOINTS:
             for name, value in TRANSPORTS.items():
                 os.environ[ENV] = value
-                pipe = gf.GPipe(
-                    strided_model(seed), balance, chunks=3, schedule=schedule,
-                    checkpoint=checkpoint, pp_group=dist.group.WORLD, timeout=60,
-                )  # fmt: skip
-                optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
-                steps = []
+                pipe = make(checkpoint)
                 try:
                     assert pipe.transport_kind == name, pipe.transport_reason
-                    for step, size in enumerate(batches):
-                        x, y = batch(size, step)
-                        optimizer.zero_grad(set_to_none=True)
-                        loss = pipe.train_step(x, y, nn.functional.mse_loss)
-                        grads = {n: p.grad.tolist() for n, p in pipe.named_parameters()
-                                 if p.grad is not None}  # fmt: skip
-                        optimizer.step()
-                        steps.append({"loss": loss.item(), "grads": grads})
+                    runs[f"{checkpoint} {name}"] = run(pipe)
                 finally:
                     pipe.close()
-                params = {n: p.tolist() for n, p in pipe.named_parameters()}
-                runs[f"{checkpoint} {name}"] = {"steps": steps, "params": params}
     finally:
         if saved is None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
     return {"runs": runs, "poisoned": os.environ.get(POISON_ENV) == "1"}
+
+
+def both_transports(
+    rank: int, world: int, *, schedule: str, balance: list[int], batches: list[int], seed: int
+) -> dict[str, Any]:
+    """Per checkpoint mode and transport, each step's loss and this rank's gradients (as
+    lists: compared bit for bit), then the parameters after an SGD step each."""
+    import torch.distributed as dist
+
+    def make(checkpoint: str) -> gf.GPipe:
+        return gf.GPipe(strided_model(seed), balance, chunks=3, schedule=schedule,
+                        checkpoint=checkpoint, pp_group=dist.group.WORLD, timeout=60)  # fmt: skip
+
+    def run(pipe: gf.GPipe) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        steps = []
+        for step, size in enumerate(batches):
+            x, y = batch(size, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss = pipe.train_step(x, y, nn.functional.mse_loss)
+            grads = {n: p.grad.tolist() for n, p in pipe.named_parameters() if p.grad is not None}
+            optimizer.step()
+            steps.append({"loss": loss.item(), "grads": grads})
+        return {"steps": steps, "params": {n: p.tolist() for n, p in pipe.named_parameters()}}
+
+    return over_both_transports(make, run)
