@@ -69,6 +69,11 @@ class ProcessGroups:
             raise PeerFailure(
                 f"gpipe_fast: an earlier step failed on {message}; {FAILED_STEP_ADVICE}"
             )
+        if not self.agrees_over_rings:
+            # Over the process group, no rank gets past the step's first all-reduce alone:
+            # this step's failure is a rank's refusal, which takes part in it and is raised
+            # there (see batch); leaving it now would leave that all-reduce pending.
+            return
         raise PeerFailure(f"gpipe_fast: the step failed on {message}")
 
     def reduce_over_pipeline(self, value: Tensor, op: str) -> None:
