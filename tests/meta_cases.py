@@ -4,7 +4,9 @@ embedding's inv_freq), across ranks (tests/test_materialize_processes.py) and in
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 import warnings
 from typing import Any
 
@@ -78,11 +80,17 @@ def _meta_pipe(position: int, init_fn: Any, transport: str, **kwargs: Any) -> gf
     return pipe
 
 
-def refused(rank: int, world: int, *, position: int, call: str, transport: str) -> dict[str, Any]:
+def refused(
+    rank: int, world: int, *, position: int, call: str, transport: str, late: int | None = None
+) -> dict[str, Any]:
     """A step (`call`: train_step, eval_step, or pipe(x) under no_grad) of the pipe whose
-    buffer holds no values: what each rank raised, and the transport."""
+    buffer holds no values, rank `late` starting it a while after the others: what each rank
+    raised, and the transport. The pipe is then collected at once: a collective the step
+    left pending would hang gloo's destructor of its group here, not in a later case."""
     pipe = _meta_pipe(position, None, transport)
     x, y = batch()
+    if rank == late:
+        time.sleep(0.5)  # the refusing rank's report is in the store before this rank starts
     try:
         if call == "train_step":
             pipe.train_step(x, y, nn.functional.mse_loss)
@@ -96,7 +104,10 @@ def refused(rank: int, world: int, *, position: int, call: str, transport: str) 
         error = (type(caught).__name__, str(caught))
     finally:
         pipe.close()
-    return {"error": error, "transport": pipe.transport_kind}
+    transport_kind = pipe.transport_kind
+    del pipe
+    gc.collect()
+    return {"error": error, "transport": transport_kind}
 
 
 def filled(rank: int, world: int, *, position: int, schedule: str) -> dict[str, Any]:

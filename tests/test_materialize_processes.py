@@ -12,25 +12,28 @@ from torch import nn
 
 
 @pytest.mark.parametrize(
-    ("position", "call", "transport"),
+    ("position", "call", "transport", "late"),
     [
-        (1, "train_step", "shared memory"),
-        (4, "eval_step", "shared memory"),
-        (1, "pipe(x)", "shared memory"),
-        # Over gloo a refusing rank takes part in the step's first all-reduce, so that no rank
-        # starts a step another will not run: its messages would stay pending in gloo, and
-        # gloo's destructor of the group would wait for them for ever (a hang at the group's
-        # garbage collection, after the cluster's reset).
-        (1, "train_step", "gloo"),
-        (4, "train_step", "gloo"),
+        (1, "train_step", "shared memory", None),
+        (4, "eval_step", "shared memory", None),
+        (1, "pipe(x)", "shared memory", None),
+        # Over gloo a refusing rank takes part in the step's first all-reduce, and so does a
+        # rank that finds the refusal already reported when it starts: no rank starts a step
+        # another will not run, and no all-reduce is left pending (gloo's destructor of the
+        # group would wait for it for ever: a hang when the pipe is collected).
+        (1, "train_step", "gloo", None),
+        (1, "train_step", "gloo", 1),
+        (4, "train_step", "gloo", None),
+        (4, "train_step", "gloo", 0),
     ],
 )
 def test_a_refusing_rank_gives_every_rank_its_cause(
-    two: Cluster, position: int, call: str, transport: str
+    two: Cluster, position: int, call: str, transport: str, late: int | None
 ) -> None:
-    replies = values(
-        two.run("meta_cases.refused", position=position, call=call, transport=transport)
-    )
+    replies = values(two.run(
+        "meta_cases.refused", position=position, call=call, transport=transport, late=late,
+        timeout_s=60,
+    ))  # fmt: skip
     two.reset()  # a failed step leaves the process group unusable (docs/processes.md)
     assert [r["transport"] for r in replies] == [transport] * 2
     refusing = 0 if position < meta_cases.BALANCE[0] else 1
