@@ -6,16 +6,17 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 1. _C (the native core), arguments (argument checks shared by every layer)
 2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores), skip/
    (skippable layers, their trackers and layout)
-3. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
-4. transport/ (the Transport protocol, the in-process transport, the wire header)
-5. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
+3. capture/ (any model's forward cut into stages, untraced: the plan and the stage cells)
+4. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
+5. transport/ (the Transport protocol, the in-process transport, the wire header)
+6. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
    shared-memory links, the cross-process step driver)
-6. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
-7. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
-8. api/ (GPipe and the modules it is split into)
-9. planning/ (plans, predictions and calibration, which build GPipes)
-10. this package's own names, gpipe_fast.balance (torchgpipe's import path)
-11. demo/, then __main__
+7. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
+8. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
+9. api/ (GPipe, gf.pipeline and the modules they are split into)
+10. planning/ (plans, predictions and calibration, which build GPipes)
+11. this package's own names, gpipe_fast.balance (torchgpipe's import path)
+12. demo/, then __main__
 """
 
 # Loaded first, so that a missing build fails here with advice. Private: reach it as
@@ -29,6 +30,7 @@ except ImportError as error:  # no silent fallback: the engine is native
         f"the loader said: {error}"
     ) from error
 
+from gpipe_fast.api.any_model import ModelPipe, pipeline
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.grad_scaler import GradScaler
 from gpipe_fast.distributed.guard import PeerFailure
@@ -49,6 +51,7 @@ __all__ = [
     "CellPlan",
     "GPipe",
     "GradScaler",
+    "ModelPipe",
     "PeerFailure",
     "Plan",
     "TaskSpan",
@@ -60,6 +63,7 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "partition",
+    "pipeline",
     "plan",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ PACKAGE = Path(gpipe_fast.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("gpipe_fast._C", "gpipe_fast.arguments"),
     ("gpipe_fast.nn", "gpipe_fast.device", "gpipe_fast.skip"),
+    ("gpipe_fast.capture",),
     ("gpipe_fast.schedule",),
     ("gpipe_fast.transport",),
     ("gpipe_fast.distributed",),

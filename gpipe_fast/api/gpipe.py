@@ -7,8 +7,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from functools import partial
-from typing import Any, NoReturn, cast
+from typing import Any, ClassVar, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,10 @@ class GPipe(nn.Module):
     ``init_fn`` or set); across processes that refusal fails the step on every rank.
     """
 
+    # A pipe of any model (gf.pipeline) keys its tensors without its layers' names (its layers
+    # are stages holding modules at their places in the model: see api/state_dict.py).
+    _transparent_layers: ClassVar[bool] = False
+
     def __init__(
         self,
         module: nn.Sequential,
@@ -196,6 +201,8 @@ class GPipe(nn.Module):
         for k, device in enumerate(self.devices):
             if here[k]:
                 cells[k], left = materialize(cells[k], device, init_fn)
+                if self._transparent_layers:  # named by the model's keys, not the stage's
+                    left = [replace(u, name=u.name.split(".", 1)[1]) for u in left]
                 uninitialised += left
         if uninitialised:
             warn_uninitialised(uninitialised)
@@ -211,6 +218,13 @@ class GPipe(nn.Module):
         # Every layer's name, so that loading the whole model's state dict on one rank
         # skips the other ranks' layers but still refuses keys of no layer at all.
         self._layer_names = {name for name, _ in named}
+        if self._transparent_layers:  # keys are the model's own: every cell's, and local ones'
+            self._layer_names = set(state_dict.cell_keys(enumerate(cells)))
+            self._cell_keys = state_dict.cell_keys(enumerate(local))
+            stages = [layer for cell in local for layer in cell.children()]
+            self._merged_stages = state_dict.MergedStages(stages)
+            for cell in local:  # torch.distributed.checkpoint leaves the stage's name out
+                cell.__dict__["_fqn_modifiers"] = partial(dict, ((n, n) for n in cell._modules))
         state_dict.register(self)
 
         # Processes of a multi-process pipe share the host's cores: every rank learns the
@@ -265,14 +279,20 @@ class GPipe(nn.Module):
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the model's own names, as in ``state_dict()``."""
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield state_dict.model_key(name, f"{prefix}." if prefix else ""), param
+            key = state_dict.model_key(
+                name, f"{prefix}." if prefix else "", self._transparent_layers
+            )
+            yield key, param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under the model's own names, as in ``state_dict()``."""
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield state_dict.model_key(name, f"{prefix}." if prefix else ""), buffer
+            key = state_dict.model_key(
+                name, f"{prefix}." if prefix else "", self._transparent_layers
+            )
+            yield key, buffer
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys
@@ -281,6 +301,10 @@ class GPipe(nn.Module):
         # layers. So get_state_dict(pipe, optimizer) keys the model's and the optimizer's
         # state by the model's own names, as state_dict() does, and a checkpoint loads into
         # another balance, another number of processes, or the plain model.
+        if self._transparent_layers:  # a model key's first name, among the stages' modules
+            tops = {name for cell in self.partitions for layer in cell.children()
+                    for name in layer._modules}  # fmt: skip
+            return {"partitions": "partitions", **dict.fromkeys(tops, "_merged_stages")}
         return {"partitions": "partitions", **dict.fromkeys(self._cell_of, "_layers_by_name")}
 
     @property

@@ -42,7 +42,11 @@ def eval_step(
     batch = batch_size(given, "input")
     with torch.no_grad():
         microbatches = scatter(given[0] if isinstance(input, Tensor) else given, chunks)
-        targets = scatter_target(target, batch, chunks)
+        targets = (
+            scatter_target(target, batch, chunks)
+            if pipeline.needs_target(target)
+            else [None] * len(microbatches)
+        )
     step = _evaluation(pipeline, microbatches, len(microbatches), len(given))
     step.context.set_loss(loss_fn, targets, loss_weights(batch, batch, chunks, reduction))
     schedule = pipeline.schedules.forward_only(step.count, loss=True)
@@ -71,7 +75,7 @@ def _eval_step_across_processes(
     """Every rank's share of an evaluation step (inputs as for train_step)."""
     cross = pipeline.cross
     assert cross is not None
-    share = cross.share(input, target, chunks, needs_target=True)
+    share = cross.share(input, target, chunks, needs_target=pipeline.needs_target(target))
     step = _evaluation(pipeline, share.microbatches, share.count, len(share.given))
     weights = loss_weights(share.batch, share.total, chunks, reduction)
     step.context.set_loss(loss_fn, share.targets, weights)

@@ -106,6 +106,9 @@ class Pipeline:
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
         self.tied = tied
+        # A step may pass target=None to a loss_fn that needs none (a model computing its
+        # own loss: gf.pipeline's pipes).
+        self.targets_optional = False
         self.devices = list(devices)
         self.stage_workers = list(stage_workers or range(len(modules)))
         # Across processes this one runs its cells on one compute worker (stage s of the
@@ -358,7 +361,11 @@ class Pipeline:
         batch = batch_size(given, "input")
         with torch.no_grad():
             microbatches = scatter(input, chunks)
-            targets = scatter_target(target, batch, chunks)
+            targets = (
+                scatter_target(target, batch, chunks)
+                if self.needs_target(target)
+                else [None] * len(microbatches)
+            )
         step, schedule = self._training_step(
             microbatches, [t.requires_grad for t in given], len(microbatches), checkpoint,
             training, loss_fn, targets, loss_weights(batch, batch, chunks, reduction), loss_scale,
@@ -369,6 +376,11 @@ class Pipeline:
         self.after_backward()
         _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)
         return loss  # type: ignore[no-any-return]
+
+    def needs_target(self, target: Any) -> bool:
+        """Whether a step's loss_fn gets micro-batches of `target`: always, but where the
+        pipe's model may compute its own loss (`targets_optional`) and `target` is None."""
+        return target is not None or not self.targets_optional
 
     def after_backward(self) -> None:
         """What a step's backward leaves to do once every cell's is done: tied gradients."""
@@ -410,7 +422,7 @@ class Pipeline:
         (others may pass None)."""
         cross = self.cross
         assert cross is not None
-        share = cross.share(input, target, chunks, needs_target=True)
+        share = cross.share(input, target, chunks, needs_target=self.needs_target(target))
         given = share.given
         step, schedule = self._training_step(
             share.microbatches, [t.requires_grad for t in given], share.count, checkpoint, True,

@@ -1,0 +1,148 @@
+"""`gf.pipeline`: any nn.Module as a pipe, cut at split points, its own forward run untraced."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks, split_by_params
+from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.stage import stage_cells
+from gpipe_fast.planning.balance import partition
+from gpipe_fast.schedule.registry import schedule_kind
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class ModelPipe(GPipe):
+    """A GPipe of any model (see :func:`pipeline`): one cell per stage, each running the
+    model's own forward with its stage's modules for real. Steps take the model's inputs in
+    the form of ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of
+    keyword arguments); ``loss_fn(output, target)`` gets what the model returns for one
+    micro-batch, and ``target`` may be None (a model that computes its own loss from its
+    inputs' labels: ``loss_fn=lambda out, _: out.loss``)."""
+
+    _transparent_layers = True
+    _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
+
+    def __init__(self, model: nn.Module, plan: Plan, split_points: list[str], **kwargs: Any):
+        cells = stage_cells(model, plan)
+        first: Any = cells[0]
+        module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
+        super().__init__(module, [1] * plan.stages, **kwargs)
+        self.split_points = list(split_points)
+        self._plan = plan
+        self.__dict__["_first_stage"] = first
+        if self._pipeline is not None:
+            self._pipeline.targets_optional = True
+
+    def _as_input(self, inputs: Any) -> tuple[Tensor, ...] | None:
+        """The model's inputs in the form of example_inputs, as the pipe's tuple of tensors
+        (None stays None: a rank without cell 0 passes none)."""
+        if inputs is None:
+            return None
+        plan = self._plan
+        args, kwargs = as_inputs(inputs, "inputs")
+        given = {str(i): a for i, a in enumerate(args)} | kwargs
+        expected = set(plan.tensor_inputs) | set(plan.constant_inputs)
+        unknown = sorted(set(given) - expected)
+        if unknown or len(args) != plan.positional:
+            raise ValueError(
+                f"inputs: give the arguments of example_inputs ({sorted(expected)}) or some of "
+                f"the keyword ones, got {sorted(given)}"
+            )
+        for name, value in plan.constant_inputs.items():
+            if name in given and given[name] is not value and given[name] != value:
+                raise ValueError(
+                    f"inputs: {name!r} is {given[name]!r} but the pipe was built with "
+                    f"{value!r} (only tensors may change between steps)"
+                )
+        present = []
+        for name in plan.tensor_inputs:
+            value = given.get(name)
+            if value is None:
+                continue  # left out (labels, say): the model gets None, every stage alike
+            if not isinstance(value, Tensor):
+                raise TypeError(f"inputs: {name!r} must be a Tensor, as in example_inputs")
+            present.append(name)
+        self._first_stage.present = present  # the stage maps the tuple to these names
+        return tuple(given[name] for name in present)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        if kwargs and not args:
+            inputs: Any = kwargs
+        elif args and not kwargs:
+            inputs = args[0] if len(args) == 1 and self._plan.positional == 1 else args
+            if len(args) == 1 and isinstance(args[0], (dict, tuple)):
+                inputs = args[0]
+        else:
+            raise TypeError("pipe(...) takes the model's inputs as positional or keyword "
+                            "arguments, as example_inputs gave them")  # fmt: skip
+        return super().forward(self._as_input(inputs))  # type: ignore[arg-type]
+
+    def train_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:  # type: ignore[override]
+        return super().train_step(self._as_input(input), target, loss_fn, **kwargs)  # type: ignore[arg-type]
+
+    def eval_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:  # type: ignore[override]
+        return super().eval_step(self._as_input(input), target, loss_fn, **kwargs)
+
+
+def pipeline(
+    model: nn.Module,
+    example_inputs: Any,
+    split_points: Sequence[str] | None = None,
+    *,
+    num_stages: int | None = None,
+    **kwargs: Any,
+) -> ModelPipe:
+    """Any ``nn.Module`` as a pipe, exact: the model's own forward runs on every stage, the
+    modules of that stage for real and the others' as shape-only placeholders, and every
+    value a stage needs from another (a hidden state, rotary cos/sin, an encoder's output,
+    a mask) goes straight from the stage that computes it.
+
+    ``example_inputs`` is one micro-batch, in the form steps will take: a tensor, a tuple of
+    positional arguments, or a dict of keyword arguments. ``split_points`` are the names of
+    the modules where a new stage begins, in the order the forward calls them; None picks
+    them among the model's repeated blocks (``model.layers.3``, ``transformer.h.5``, ...)
+    balancing parameter counts over ``num_stages`` stages (default: one per rank of
+    ``pp_group``, two with zbv; in one process, one per device). Every other keyword is
+    :class:`GPipe`'s (``devices``, ``chunks``, ``checkpoint``, ``schedule``, ``pp_group``,
+    ``dp_group``, ``timeout``, ``init_fn``, ...) except ``balance``, which split points
+    replace. ``pipe.split_points`` lists the ones in use."""
+    if "balance" in kwargs:
+        raise TypeError("balance: gf.pipeline cuts the model at split_points instead")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if split_points is None:
+        stages = num_stages if num_stages is not None else _default_stages(kwargs)
+        split_points = split_by_params(model, example_inputs, stages, partition)
+    elif isinstance(split_points, str):
+        raise TypeError("split_points takes a list of module names, like [name], not one str")
+    elif num_stages is not None and num_stages != len(split_points) + 1:
+        raise ValueError(
+            f"num_stages={num_stages} but {len(split_points)} split points make "
+            f"{len(split_points) + 1} stages"
+        )
+    plan = discover(model, example_inputs, list(split_points))
+    return ModelPipe(model, plan, list(split_points), **kwargs)
+
+
+def _default_stages(kwargs: dict[str, Any]) -> int:
+    """One stage per rank of pp_group (two with zbv), else per device (CPU: two)."""
+    per = schedule_kind(kwargs.get("schedule", "gpipe")).stages_per_worker or 1
+    group = kwargs.get("pp_group")
+    if group is not None:
+        return dist.get_world_size(group) * per
+    devices = kwargs.get("devices")
+    if devices is not None:
+        return len(devices) * per
+    return max(torch.cuda.device_count(), 2 if per == 1 else 1) * per
+
+
+__all__ = ["ModelPipe", "pipeline", "repeated_blocks"]

@@ -1,0 +1,413 @@
+"""The plan of a model's pipe: its forward run twice on fake tensors, its module calls staged.
+
+The first run records every module call (its name, where it starts and ends among the calls,
+what it returned). Split points cut the calls into stages; an *atom* is a module whose call
+lies within one stage while its caller's spans several (the model itself, its `model`, ...:
+glue that runs on every stage). The second run replays the atoms' recorded outputs and follows,
+through the glue between them, which stages each tensor derives from: an argument of a stage's
+atom that another stage computes becomes a route from that stage (its producer) to this one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules import module as torch_module
+from torch.overrides import TorchFunctionMode
+
+from gpipe_fast.capture.dispatch import installed, viewing
+from gpipe_fast.capture.plan import Call, Plan, Route
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # a forward's (args, kwargs)
+
+
+def as_inputs(example: Any, what: str = "example_inputs") -> Inputs:
+    """A forward's (args, kwargs) from a tensor, a tuple of positional arguments or a dict of
+    keyword arguments."""
+    if isinstance(example, Tensor):
+        return (example,), {}
+    if isinstance(example, tuple):
+        return example, {}
+    if isinstance(example, dict):
+        if not all(isinstance(name, str) for name in example):
+            raise TypeError(f"{what}: a dict's keys must be the forward's argument names")
+        return (), dict(example)
+    raise TypeError(
+        f"{what} must be a Tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(example).__name__}"
+    )
+
+
+@dataclass
+class _Event:
+    """One module call of the first run."""
+
+    module: nn.Module
+    start: int
+    parent: int | None
+    end: int = -1  # the start of the last call inside it (itself when it calls none)
+    output: Any = None
+
+
+@dataclass
+class _Recorder:
+    events: list[_Event] = field(default_factory=list)
+    stack: list[int] = field(default_factory=list)
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        parent = self.stack[-1] if self.stack else None
+        self.events.append(_Event(module, len(self.events), parent))
+        self.stack.append(len(self.events) - 1)
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        index = self.stack.pop()
+        event = self.events[index]
+        event.end = len(self.events) - 1
+        event.output = output
+
+
+def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:
+    """Every module call of one forward, in order, with what each returned."""
+    recorder = _Recorder()
+    pre = torch_module.register_module_forward_pre_hook(recorder.pre)
+    post = torch_module.register_module_forward_hook(recorder.post, always_call=True)
+    try:
+        with torch.no_grad():
+            model(*inputs[0], **inputs[1])
+    finally:
+        pre.remove()
+        post.remove()
+    return recorder.events
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Each module's name (the first, where a module has several), by id."""
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)
+    return names
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The names of the modules in the model's ModuleLists (`model.layers.3`, `h.0`...): where
+    split points usually go."""
+    return [
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for child in module._modules
+    ]
+
+
+def _candidates(model: nn.Module) -> str:
+    blocks = repeated_blocks(model)
+    shown = ", ".join(repr(b) for b in blocks[:8]) + (", ..." if len(blocks) > 8 else "")
+    return f"the model's repeated blocks: {shown}" if blocks else "a name of model.named_modules()"
+
+
+def _boundaries(model: nn.Module, events: list[_Event], split_points: list[str]) -> list[int]:
+    """The first call of each split point's module, checked: it names a module, the forward
+    calls it, and the points come in call order."""
+    firsts: dict[int, int] = {}
+    for event in events:
+        firsts.setdefault(id(event.module), event.start)
+    starts = []
+    for name in split_points:
+        if not isinstance(name, str):
+            raise TypeError(f"split_points: {name!r} is not a module's name (str)")
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"split_points: {name!r} names no module of the model; try {_candidates(model)}"
+            ) from None
+        if id(module) not in firsts:
+            raise ValueError(
+                f"split_points: the model's forward never calls {name!r} on the example "
+                f"inputs; try {_candidates(model)}"
+            )
+        starts.append(firsts[id(module)])
+    if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+        raise ValueError(
+            f"split_points {split_points!r} must be modules where a new stage begins, each "
+            "called after the one before (in the order the forward calls them)"
+        )
+    return starts
+
+
+def _atoms(
+    events: list[_Event], starts: list[int], names: dict[int, str]
+) -> tuple[list[int], set[int]]:
+    """The atoms' calls (event indices, in order): calls within one stage whose caller spans
+    several stages (the model's own call spans all of them); and the glue modules (by id)."""
+
+    def stage(index: int) -> int:
+        return bisect.bisect_right(starts, index)
+
+    atoms: list[int] = []
+    roles: dict[int, str] = {}
+    for event in events:
+        whole = stage(event.start) == stage(event.end)
+        parent = events[event.parent] if event.parent is not None else None
+        spanning_parent = parent is None or stage(parent.start) != stage(parent.end)
+        if not spanning_parent:
+            continue  # inside an atom
+        role = "atom" if whole and parent is not None else "glue"
+        if roles.setdefault(id(event.module), role) != role:
+            raise ValueError(
+                f"gpipe_fast.pipeline: {names[id(event.module)]!r} is called both within one "
+                "stage and across a split point; move the split points so that every call "
+                "of it lies within one stage"
+            )
+        if role == "atom":
+            atoms.append(event.start)
+    return atoms, {module for module, role in roles.items() if role == "glue"}
+
+
+class _Dependencies(TorchFunctionMode):
+    """Follows which stages each tensor of the glue derives from: an op's outputs derive
+    from whatever its inputs did (atoms' outputs are marked by the caller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._of: dict[int, tuple[weakref.ref[Tensor], frozenset[int]]] = {}
+
+    def of(self, tensor: Tensor) -> frozenset[int]:
+        found = self._of.get(id(tensor))
+        if found is None or found[0]() is not tensor:
+            return frozenset()
+        return found[1]
+
+    def mark(self, tree: Any, stages: frozenset[int]) -> None:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, Tensor) and stages:
+                self._of[id(leaf)] = (weakref.ref(leaf), stages | self.of(leaf))
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        stages = frozenset().union(
+            *(self.of(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+        )
+        if stages:
+            self.mark(out, stages)
+        return out
+
+
+class _Follow:
+    """The second run's view: each atom call returns what it returned in the first run, and
+    its arguments' stages make the plan's routes."""
+
+    def __init__(self, atoms: list[_Event], stages: list[int], names: dict[int, str],
+                 deps: _Dependencies, count: int) -> None:  # fmt: skip
+        self.atoms, self.stages, self.names, self.deps = atoms, stages, names, deps
+        self.calls: list[Call] = []
+        self.routes: dict[str, Route] = {}
+        self._by_tensor: dict[int, tuple[weakref.ref[Tensor], str]] = {}
+        self.count = count
+
+    def route_of(self, leaf: Tensor, producer: int, call: int, index: int) -> str:
+        """The route of `leaf` (one per tensor, however many calls take it); a new one is
+        captured here, at its first appearance as an argument."""
+        found = self._by_tensor.get(id(leaf))
+        if found is not None and found[0]() is leaf:
+            return found[1]
+        key = f"v{len(self.routes)}"
+        self.routes[key] = Route(key, producer, set(), leaf.is_floating_point())
+        self._by_tensor[id(leaf)] = (weakref.ref(leaf), key)
+        self.calls[call].sends[index] = key
+        return key
+
+    def __call__(
+        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
+        i = len(self.calls)
+        if i >= len(self.atoms) or self.atoms[i].module is not module:
+            raise RuntimeError(
+                "gpipe_fast.pipeline: the model's forward called its modules in another order "
+                "on a second run with the same inputs (its control flow is not repeatable)"
+            )
+        stage = self.stages[i]
+        self.calls.append(Call(i, self.names[id(module)], stage))
+        leaves = pytree.tree_leaves((args, kwargs))
+        for j, leaf in enumerate(leaves):
+            if not isinstance(leaf, Tensor):
+                continue
+            others = self.deps.of(leaf) - {stage}
+            if not others:
+                continue
+            if len(others) > 1 or stage in self.deps.of(leaf):
+                raise ValueError(
+                    f"gpipe_fast.pipeline: argument {j} of {self.names[id(module)]!r} (stage "
+                    f"{stage}) combines values of stages {sorted(self.deps.of(leaf))} in the "
+                    "model's own code between modules; move the split points so that one "
+                    "stage computes it"
+                )
+            (producer,) = others
+            key = self.route_of(leaf, producer, i, j)
+            self.routes[key].consumers.add(stage)
+            self.calls[i].receives[j] = key
+        output = self.atoms[i].output
+        self.deps.mark(output, frozenset({stage}))
+        return output
+
+
+def discover(model: nn.Module, example: Any, split_points: list[str]) -> Plan:
+    """The plan of `model` cut at `split_points`, from two runs of its forward on fake
+    tensors shaped as `example` (one micro-batch): cheap in memory whatever the model's size,
+    and the model may be on the meta device."""
+    args, kwargs = as_inputs(example)
+    names = _names(model)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(inputs: Inputs) -> Inputs:
+        return pytree.tree_map_only(Tensor, mode.from_tensor, inputs)  # type: ignore[no-any-return]
+
+    with mode:
+        events = _record(model, fake((args, kwargs)))
+        starts = _boundaries(model, events, list(split_points))
+        atom_starts, glue = _atoms(events, starts, names)
+        stages = [bisect.bisect_right(starts, s) for s in atom_starts]
+        atoms = [events[s] for s in atom_starts]
+        _check_glue_owns_nothing(model, glue, names)
+        deps = _Dependencies()
+        follow = _Follow(atoms, stages, names, deps, len(starts) + 1)
+        atom_modules = {id(a.module): a.module for a in atoms}
+        with installed(atom_modules.values()), viewing(follow), deps, torch.no_grad():
+            output = model(*fake((args, kwargs))[0], **fake((args, kwargs))[1])
+        if len(follow.calls) != len(atoms):
+            raise RuntimeError("gpipe_fast.pipeline: the second run called fewer modules")
+        plan = _plan(follow, stages, len(starts) + 1, args, kwargs)
+        _route_output(plan, follow, output)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    plan.atoms = [
+        sorted({c.fqn for c in plan.calls if c.stage == k}, key=order.__getitem__)
+        for k in range(plan.stages)
+    ]  # in the model's order, so that the pipe lists its parameters as the model does
+    _finish(plan)
+    return plan
+
+
+def _check_glue_owns_nothing(model: nn.Module, glue: set[int], names: dict[int, str]) -> None:
+    """Parameters and buffers of glue modules themselves (not of their submodules) would be
+    needed on every stage: refused for now."""
+    for module in model.modules():
+        own = [*module._parameters, *module._buffers]
+        if id(module) in glue and own:
+            raise ValueError(
+                f"gpipe_fast.pipeline: {names[id(module)] or 'the model'!r} holds "
+                f"{', '.join(own)} itself and its forward spans several stages; move them into "
+                "a submodule, or the split points so that its call lies within one stage"
+            )
+
+
+def _plan(follow: _Follow, stages: list[int], count: int, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Plan:  # fmt: skip
+    inputs = {str(i): a for i, a in enumerate(args)} | kwargs
+    tensor_inputs = [n for n, v in inputs.items() if isinstance(v, Tensor)]
+    constants = {n: v for n, v in inputs.items() if not isinstance(v, Tensor)}
+    nested = [n for n, v in constants.items() if any(
+        isinstance(leaf, Tensor) for leaf in pytree.tree_leaves(v))]  # fmt: skip
+    if nested:
+        raise TypeError(
+            f"example_inputs: {nested[0]!r} holds tensors inside another value; give each "
+            "tensor as an argument of its own"
+        )
+    plan = Plan(count, follow.calls, follow.routes, tensor_inputs, constants, len(args))
+    for name in tensor_inputs:  # every stage runs the forward on its micro-batch's inputs
+        floating = inputs[name].is_floating_point()
+        plan.routes[plan.input_key(name)] = Route(
+            plan.input_key(name), 0, set(range(1, count)), floating
+        )
+    return plan
+
+
+def _route_output(plan: Plan, follow: _Follow, output: Any) -> None:
+    """The output's leaves that another stage than the last computes: routed to the last,
+    captured on their producer at the end of its forward."""
+    last = plan.stages - 1
+    for j, leaf in enumerate(pytree.tree_leaves(output)):
+        if not isinstance(leaf, Tensor):
+            continue
+        others = follow.deps.of(leaf) - {last}
+        if not others:
+            continue
+        if len(others) > 1 or last in follow.deps.of(leaf):
+            raise ValueError(
+                f"gpipe_fast.pipeline: leaf {j} of the model's output combines values of stages "
+                f"{sorted(follow.deps.of(leaf))}; move the split points so that one computes it"
+            )
+        (producer,) = others
+        found = follow._by_tensor.get(id(leaf))
+        if found is not None and found[0]() is leaf:
+            key = found[1]
+        else:
+            key = f"v{len(plan.routes)}"
+            plan.routes[key] = Route(key, producer, set(), leaf.is_floating_point(), at_end=True)
+            plan.output_sends[j] = key
+        plan.routes[key].consumers.add(last)
+        plan.output_receives[j] = key
+
+
+def _finish(plan: Plan) -> None:
+    """Each stage's last call to reach: its own last, or its last capture for another."""
+    last = plan.stages - 1
+    plan.last_needed = [-1] * plan.stages
+    for call in plan.calls:
+        if call.stage != last:
+            plan.last_needed[call.stage] = max(plan.last_needed[call.stage], call.index)
+        for key in call.sends.values():
+            producer = plan.routes[key].producer
+            plan.last_needed[producer] = max(plan.last_needed[producer], call.index)
+    for route in plan.routes.values():
+        if route.at_end:
+            plan.last_needed[route.producer] = len(plan.calls)
+    plan.last_needed[last] = len(plan.calls)
+
+
+def split_by_params(
+    model: nn.Module,
+    example: Any,
+    stages: int,
+    partition: Callable[[list[float], int], list[int]],
+) -> list[str]:
+    """Split points for `stages` stages among the model's repeated blocks, balancing their
+    parameter counts (what the forward calls before the first block goes with it, the rest
+    with the last): `partition(costs, k)` gives the blocks per stage."""
+    if not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"num_stages must be a positive int, got {stages!r}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        events = _record(model, pytree.tree_map_only(Tensor, mode.from_tensor, as_inputs(example)))
+    blocks = {id(model.get_submodule(name)): name for name in repeated_blocks(model)}
+    order = list(dict.fromkeys(blocks[id(e.module)] for e in events if id(e.module) in blocks))
+    if stages == 1:
+        return []
+    if len(order) < stages:
+        raise ValueError(
+            f"num_stages={stages}: the model's forward calls {len(order)} repeated blocks "
+            f"({', '.join(order) or 'none'}); give split_points yourself"
+        )
+    in_blocks = {id(p) for name in order for p in model.get_submodule(name).parameters()}
+    first = next(e.start for e in events if blocks.get(id(e.module)) == order[0])
+    early = {id(p): p for e in events[:first] for p in e.module.parameters(recurse=False)}
+    before = sum(p.numel() for key, p in early.items() if key not in in_blocks)
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    costs = [float(sum(p.numel() for p in model.get_submodule(n).parameters())) for n in order]
+    costs[0] += before
+    costs[-1] += rest - before
+    points, at = [], 0
+    for size in partition(costs, stages)[:-1]:
+        at += size
+        points.append(order[at])
+    return points

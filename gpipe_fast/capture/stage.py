@@ -1,0 +1,263 @@
+"""One stage of a model cut by its plan: the model's own forward, this stage's atoms for real.
+
+Every stage runs the whole forward of the model (its glue is cheap) with its own micro-batch
+of the inputs. Its own atoms run for real, on the values the plan routes to it substituted
+for their arguments; every other atom returns a fake placeholder of the shape it would have
+returned (FakeTensor: no memory, no compute; run once per shape, then remembered), so that
+the glue between them runs as written. What other stages need is captured where the plan
+says, and the forward stops once this stage has done all it must (the last stage runs to the
+end and returns the model's output). Glue that would read a placeholder's values (`.item()`,
+control flow on data) fails loudly: a stage never computes with another stage's values that
+it does not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from gpipe_fast.capture.dispatch import install, viewing
+from gpipe_fast.capture.plan import Plan
+from gpipe_fast.skip.skippable import pop, skippable, stash
+
+
+class _StageDone(BaseException):
+    """Raised through the model's forward once a stage has done all it must (a BaseException,
+    so that the model's own `except Exception` lets it through)."""
+
+
+def _describe(leaf: Any) -> Any:
+    if isinstance(leaf, Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        return leaf
+    return type(leaf).__qualname__
+
+
+class _Placeholders:
+    """Fake outputs of other stages' atoms, per call and argument shapes: the atom runs once
+    on fake tensors for each new shape, then its output's shapes are reused."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._outputs: dict[Any, tuple[list[Any], Any]] = {}
+
+    def output(self, call: int, forward: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
+        key = (call, tuple(_describe(leaf) for leaf in leaves))
+        found = self._outputs.get(key)
+        if found is None:
+            fakes = [self.mode.from_tensor(t) if _real(t) else t for t in leaves]
+            args, kwargs = pytree.tree_unflatten(fakes, spec)
+            with self.mode, torch.no_grad():
+                out = forward(*args, **kwargs)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            found = self._outputs[key] = (
+                [_describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves],
+                out_spec,
+            )
+        described, out_spec = found
+        with self.mode:
+            made = [
+                torch.empty(d[0], dtype=d[1], device=d[2])
+                if isinstance(d, tuple) and len(d) == 3 and isinstance(d[1], torch.dtype)
+                else d
+                for d in described
+            ]
+        return pytree.tree_unflatten(made, out_spec)
+
+
+def _real(leaf: Any) -> bool:
+    return isinstance(leaf, Tensor) and not isinstance(leaf, FakeTensor)
+
+
+class _StageView:
+    """A stage's view of the atoms' calls during one forward of the model."""
+
+    def __init__(self, cell: StageCell, received: dict[str, Tensor | None]) -> None:
+        self.cell = cell
+        self.plan = cell.plan
+        self.stage = cell.stage
+        self.received = received
+        self.captured: dict[str, Tensor | None] = {}
+        self.next = 0
+
+    def __call__(
+        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
+        plan, i = self.plan, self.next
+        if i >= len(plan.calls) or self.cell.atom_modules[i] is not module:
+            expected = plan.calls[i].fqn if i < len(plan.calls) else "no more modules"
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: the model's forward called {self.cell.name_of(module)!r} "
+                f"where its plan has {expected!r} (call {i}): its control flow depends on the "
+                "input's values, which each stage does not have"
+            )
+        self.next += 1
+        call = plan.calls[i]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        for j, key in call.sends.items():
+            if plan.routes[key].producer == self.stage:
+                self.captured[key] = self._real(leaves[j], call.fqn, j)
+        if call.stage == self.stage:
+            for j, key in call.receives.items():
+                leaves[j] = self.received[key]
+            for j, leaf in enumerate(leaves):
+                self._real(leaf, call.fqn, j) if isinstance(leaf, Tensor) else None
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            out = forward(*args, **kwargs)
+        elif i < plan.last_needed[self.stage]:
+            out = self.cell.placeholders.output(i, forward, leaves, spec)
+        else:
+            out = None
+        if i >= plan.last_needed[self.stage]:
+            raise _StageDone
+        return out
+
+    def _real(self, leaf: Any, fqn: str, j: int) -> Tensor:
+        if isinstance(leaf, FakeTensor):
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: argument {j} of {fqn!r} holds a value that another stage "
+                "computes and that the plan did not route here (the model's forward took "
+                "another path than on the example inputs?)"
+            )
+        return leaf  # type: ignore[no-any-return]
+
+
+class StageCell(nn.Module):
+    """Stage `stage` of `model` cut by `plan`: the layer of one cell (made skippable per stage
+    by stage_cells). Its submodules are the stage's atoms at their places in the model (so its
+    parameters keep the model's names); the model itself is held but not registered."""
+
+    def __init__(self, model: nn.Module, plan: Plan, stage: int, extra: list[str]) -> None:
+        super().__init__()
+        self.plan = plan
+        self.stage = stage
+        self.last = stage == plan.stages - 1
+        self.present = list(plan.tensor_inputs)  # stage 0: the inputs of the current step
+        self.__dict__["_model"] = model  # not a submodule: each cell holds only its atoms
+        self._model: nn.Module
+        for fqn in [*plan.atoms[stage], *extra]:
+            _place(self, fqn, model.get_submodule(fqn))
+        self.atom_modules = [model.get_submodule(call.fqn) for call in plan.calls]
+        install(self.atom_modules)
+        self.placeholders = _Placeholders()
+        consumed = plan.consumed_by(stage)
+        # From the stage just before: the boundary value; from further back: skips.
+        self.pops = sorted((r.key, _skip_name(r.key, stage)) for r in consumed
+                           if r.producer != stage - 1)  # fmt: skip
+        self.stashes = sorted((r.key, _skip_name(r.key, t)) for r in plan.produced_by(stage)
+                              for t in r.consumers if t > stage + 1)  # fmt: skip
+        self.passes = sorted(r.key for r in plan.produced_by(stage) if stage + 1 in r.consumers)
+
+    def name_of(self, module: nn.Module) -> str:
+        for name, found in self._model.named_modules():
+            if found is module:
+                return name or "the model"
+        return type(module).__name__
+
+    def forward(self, value: Any):  # type: ignore[no-untyped-def]
+        plan = self.plan
+        received: dict[str, Tensor | None]
+        if self.stage == 0:  # the inputs the step was given (others are None)
+            given = value if isinstance(value, tuple) else (value,)
+            received = dict.fromkeys(map(plan.input_key, plan.tensor_inputs))
+            present = zip(self.present, given, strict=True)
+            received.update((plan.input_key(name), tensor) for name, tensor in present)
+        else:
+            received = dict(value)
+        for key, name in self.pops:
+            received[key] = yield pop(name)
+        args, kwargs = _inputs(plan, received)
+        view = _StageView(self, received)
+        output = None
+        with viewing(view):
+            try:
+                output = self._model(*args, **kwargs)
+            except _StageDone:
+                pass
+        captured = view.captured
+        if self.stage == 0:
+            captured.update((plan.input_key(n), received[plan.input_key(n)])
+                            for n in plan.tensor_inputs)  # fmt: skip
+        if plan.output_sends and output is not None:
+            leaves = pytree.tree_leaves(output)
+            captured.update((key, leaves[j]) for j, key in plan.output_sends.items()
+                            if plan.routes[key].producer == self.stage)  # fmt: skip
+        for key, name in self.stashes:
+            yield stash(name, captured[key])
+        if self.last:
+            return _with_received_outputs(plan, output, received)
+        return {key: captured[key] for key in self.passes}
+
+
+def _skip_name(key: str, consumer: int) -> str:
+    return f"{key}>{consumer}"
+
+
+def _inputs(plan: Plan, received: dict[str, Tensor | None]) -> tuple[list[Any], dict[str, Any]]:
+    values = dict(plan.constant_inputs)
+    values.update((n, received[plan.input_key(n)]) for n in plan.tensor_inputs)
+    args = [values.pop(str(i)) for i in range(plan.positional)]
+    return args, values
+
+
+def _with_received_outputs(plan: Plan, output: Any, received: dict[str, Tensor | None]) -> Any:
+    leaves, spec = pytree.tree_flatten(output)
+    for j, key in plan.output_receives.items():
+        leaves[j] = received[key]
+    for j, leaf in enumerate(leaves):
+        if isinstance(leaf, FakeTensor):
+            raise RuntimeError(f"gpipe_fast.pipeline: the model's output leaf {j} was not routed")
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Puts `module` at `fqn` under `root`, making plain containers on the way."""
+    *path, last = fqn.split(".")
+    owner = root
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    owner.add_module(last, module)
+
+
+def stage_cells(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The model's stages as cells (each a class of its own, declaring its skips); modules
+    that the forward never calls go with stage 0, so that nothing of the model is lost."""
+    atoms = {fqn for names in plan.atoms for fqn in names}
+    covered = {id(t) for fqn in atoms for t in _tensors(model.get_submodule(fqn))}
+    extra = _uncovered(model, covered, atoms)
+    cells: list[nn.Module] = []
+    for k in range(plan.stages):
+        consumed = [r for r in plan.consumed_by(k) if r.producer != k - 1]
+        produced = [(r, t) for r in plan.produced_by(k) for t in r.consumers if t > k + 1]
+        cls = skippable(
+            stash=[_skip_name(r.key, t) for r, t in produced],
+            pop=[_skip_name(r.key, k) for r in consumed],
+        )(StageCell)
+        cells.append(cls(model, plan, k, extra if k == 0 else []))
+    return cells
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _uncovered(model: nn.Module, covered: set[int], atoms: set[str]) -> list[str]:
+    """The outermost modules holding parameters or buffers that no atom holds."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name == a or name.startswith(a + ".") for a in [*atoms, *found]):
+            continue
+        own = [*module._parameters.values(), *module._buffers.values()]
+        if any(t is not None and id(t) not in covered for t in own):
+            found.append(name)
+    return found

@@ -1,0 +1,161 @@
+"""gf.pipeline: unmodified transformers models (LLaMA, GPT-2 with its tied head) pipelined by their
+own forward, exact against the plain model in float64, in one process and across processes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import any_model_cases as cases
+from cluster import Cluster, values
+
+import gpipe_fast as gf
+from gpipe_fast import _C
+
+# Stages per worker (0: any number; these tests give such a schedule two).
+KINDS = {kind.name: kind.stages_per_worker or 2 for kind in _C.schedule_kinds()}
+SHAPES = [(7, 8), (5, 11)]  # uneven micro-batches; the batch and the sequence length change
+EXACT = 1e-12
+
+
+def _check(results: list[dict[str, Any]], name: str) -> None:
+    """Losses, every gradient and the parameters after the steps equal the plain model's;
+    between them the processes cover every parameter, under the model's own names."""
+    names: set[str] = set()
+    for rank, result in enumerate(results):
+        for step, got in enumerate(result["steps"]):
+            if got["loss"] is not None:
+                assert got["loss"] == pytest.approx(got["plain"], rel=EXACT), (rank, step)
+            assert got["grad_error"] < EXACT, (rank, step, got["grad_error"])
+        assert result["param_error"] < EXACT, rank
+        names |= set(result["names"])
+    plain = cases.MODELS[name]()
+    assert names == {key for key, _ in plain.named_parameters(remove_duplicate=False)}
+    assert set().union(*(r["keys"] for r in results)) == set(plain.state_dict())
+
+
+@pytest.mark.parametrize("schedule", list(KINDS))
+@pytest.mark.parametrize("name", list(cases.MODELS))
+def test_one_process_every_schedule_is_exact(name: str, schedule: str, full: bool) -> None:
+    stages = 2 * KINDS[schedule]
+    for checkpoint in ("except_last", "always", "never") if full else ("except_last",):
+
+        def make(model: nn.Module, example: dict[str, Any], checkpoint: str = checkpoint) -> Any:
+            return gf.pipeline(model, example, cases.split_points(name, stages), chunks=3,
+                               devices=["cpu", "cpu"], schedule=schedule,
+                               checkpoint=checkpoint)  # fmt: skip
+
+        _check([cases.train_against_plain(name, make, SHAPES)], name)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("name", list(cases.MODELS))
+def test_two_processes_are_exact(two: Cluster, name: str, schedule: str) -> None:
+    results = values(two.run("any_model_cases.across", model=name, schedule=schedule,
+                             stages=2 * KINDS[schedule], pp=2, shapes=SHAPES))  # fmt: skip
+    assert [r["transport"] for r in results] == ["shared memory"] * 2
+    _check(results, name)
+
+
+def test_pipeline_and_data_parallel_with_the_head_tied_across_ranks(four: Cluster) -> None:
+    results = values(four.run("any_model_cases.across", model="gpt2", schedule="1f1b",
+                              stages=2, pp=2, shapes=[(8, 8), (12, 6)]))  # fmt: skip
+    _check(results, "gpt2")
+
+
+def test_names_state_dict_and_loading_are_the_models_own() -> None:
+    model = cases.llama()
+    plain = copy.deepcopy(model)
+    pipe = gf.pipeline(model, {"input_ids": cases.tokens(2, 8, 0)}, ["model.layers.2"])
+    try:
+        assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in plain.named_parameters()]
+        assert set(pipe.state_dict()) == set(plain.state_dict())
+        with torch.no_grad():
+            for param in plain.parameters():
+                param.add_(torch.randn_like(param))
+        assert not pipe.load_state_dict(plain.state_dict()).missing_keys
+        for key, value in pipe.state_dict().items():
+            assert torch.equal(value, plain.state_dict()[key]), key
+        assert pipe.split_points == ["model.layers.2"]
+    finally:
+        pipe.close()
+
+
+def test_the_models_own_loss_and_output() -> None:
+    model = cases.llama()
+    plain = copy.deepcopy(model)
+    ids = cases.tokens(6, 8, 1)
+    example = {"input_ids": ids[:2], "labels": ids[:2], "use_cache": False}
+    pipe = gf.pipeline(model, example, ["model.layers.2"], chunks=3, schedule="1f1b")
+    try:
+        # target None: the model computes its loss from the labels it is given.
+        loss = pipe.train_step({"input_ids": ids, "labels": ids, "use_cache": False}, None,
+                               lambda output, _: output.loss)  # fmt: skip
+        want = plain(input_ids=ids, labels=ids).loss
+        want.backward()
+        # transformers computes a causal LM's loss in float32 whatever the model's dtype.
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        grads = dict(plain.named_parameters())
+        for key, param in pipe.named_parameters():
+            assert cases.relative(param.grad, grads[key].grad) < 1e-5, key
+        # pipe(...) returns the model's own output: labels left out, another length.
+        other = cases.tokens(5, 11, 2)
+        with torch.no_grad():
+            output = pipe(input_ids=other, use_cache=False)
+            torch.testing.assert_close(output.logits, plain(input_ids=other).logits)
+        assert type(output).__name__ == "CausalLMOutputWithPast" and output.loss is None
+    finally:
+        pipe.close()
+
+
+def test_split_points_by_parameter_count() -> None:
+    model = cases.llama()
+    pipe = gf.pipeline(model, {"input_ids": cases.tokens(2, 8, 0)}, num_stages=2)
+    try:
+        (point,) = pipe.split_points
+        assert point.startswith("model.layers.")
+        cells = [sum(p.numel() for p in cell.parameters()) for cell in pipe.partitions]
+        assert max(cells) / min(cells) < 1.6  # the embedding and head weigh like a block
+    finally:
+        pipe.close()
+
+
+def test_bad_split_points_are_named() -> None:
+    model = cases.gpt2()
+    example = {"input_ids": cases.tokens(2, 8, 0)}
+    with pytest.raises(
+        ValueError, match=r"'transformer\.h\.9' names no module.*h\.0'"
+    ):
+        gf.pipeline(model, example, ["transformer.h.9"])
+    with pytest.raises(ValueError, match="in the order the forward calls them"):
+        gf.pipeline(model, example, ["transformer.h.3", "transformer.h.1"])
+    with pytest.raises(TypeError, match=r"balance: gf\.pipeline cuts the model at split_points"):
+        gf.pipeline(model, example, ["transformer.h.2"], balance=[1, 1])
+    with pytest.raises(TypeError, match="not one str"):
+        gf.pipeline(model, example, "transformer.h.2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="never calls 'unused'"):
+        model.unused = nn.Linear(2, 2)
+        gf.pipeline(model, example, ["unused"])
+
+
+class _Scaled(nn.Module):
+    """Glue with a parameter of its own, used between its submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.scale)
+
+
+def test_glue_with_parameters_of_its_own_is_refused_naming_them() -> None:
+    with pytest.raises(ValueError, match="holds scale itself"):
+        gf.pipeline(_Scaled(), torch.randn(2, 4), ["b"])
