@@ -129,9 +129,7 @@ def test_split_points_by_parameter_count() -> None:
 def test_bad_split_points_are_named() -> None:
     model = cases.gpt2()
     example = {"input_ids": cases.tokens(2, 8, 0)}
-    with pytest.raises(
-        ValueError, match=r"'transformer\.h\.9' names no module.*h\.0'"
-    ):
+    with pytest.raises(ValueError, match=r"'transformer\.h\.9' names no module.*h\.0'"):
         gf.pipeline(model, example, ["transformer.h.9"])
     with pytest.raises(ValueError, match="in the order the forward calls them"):
         gf.pipeline(model, example, ["transformer.h.3", "transformer.h.1"])
