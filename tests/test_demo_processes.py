@@ -9,31 +9,49 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from cluster import Cluster, values
+from torch import nn
 
+from gpipe_fast.demo import processes, report
+from gpipe_fast.demo.job import arguments, cells_per_worker
 from gpipe_fast.demo.processes import bubble_of_own_tasks, communication_ms, merged_timeline
 from gpipe_fast.runtime.timeline import TaskSpan
+from gpipe_fast.schedule.registry import SCHEDULES, placement
 
 
 def test_demo_across_two_processes(tmp_path: Path) -> None:
+    # zbv: two cells per process, in a V, and the backward split in halves.
     command = [sys.executable, "-m", "gpipe_fast", "demo", "--processes", "2", "--steps", "6"]
     command += ["--width", "32", "--depth", "3", "--batch", "64", "--lr", "1e-2", "--out", "out"]
+    command += ["--schedule", "zbv"]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output  # the loss fell
-    assert "torchrun --nproc-per-node 2" in result.stdout
-    assert re.search(r"throughput: [\d,]+ samples/s", result.stdout), output
-    assert "rank 0 computes" in result.stdout and "rank 1 computes" in result.stdout
+    stdout = result.stdout.replace("\n  ", " ")  # its paragraphs' wrapped lines joined
+    assert max(len(line) for line in result.stdout.splitlines()) <= 100
+    assert "(gloo over 127.0.0.1, 2 cells each), model 'mlp', schedule 'zbv'" in stdout
+    assert "torchrun --nproc-per-node 2" in stdout
+    assert re.search(r"throughput: [\d,]+ samples/s", stdout), output
+    assert "rank 0 computes" in stdout and "rank 1 computes" in stdout
     assert re.search(r"bubble [\d.]+% \(ideal [\d.]+% with equal stages; [\d.]+% with these "
-                     r"stages' own task times", result.stdout), output  # fmt: skip
-    assert "tensors between processes: shared memory (" in result.stdout, output
-    trace = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())
-    rows = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+                     r"stages' own task times", stdout), output  # fmt: skip
+    assert "tensors between processes: shared memory (" in stdout, output
+    events = json.loads((tmp_path / "out" / "timeline.trace.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     # Over shared memory each compute worker takes its messages itself: no receiving rows.
-    assert rows == {"rank 0 compute", "rank 1 compute"}
-    kinds = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"forward", "backward", "loss", "send_forward", "recv_forward"} <= kinds
+    assert set(names.values()) == {"rank 0 compute", "rank 1 compute"}
+    spans = [e for e in events if e["ph"] == "X"]
+    kinds = {e["cat"] for e in spans}
+    assert {"forward", "backward_input", "backward_weight", "loss", "send_forward",
+            "recv_forward"} <= kinds  # fmt: skip
+    cells = {(names[e["tid"]], e["args"]["cell"]) for e in spans if e["cat"] == "forward"}
+    assert cells == {("rank 0 compute", 0), ("rank 0 compute", 3), ("rank 1 compute", 1),
+                     ("rank 1 compute", 2)}  # fmt: skip
+    svg = (tmp_path / "out" / "timeline.svg").read_text()
+    assert "gpipe_fast step, schedule zbv: 4 cells on 2 workers" in svg
 
 
 def test_the_unet_across_two_processes_sends_its_skips_between_them(tmp_path: Path) -> None:
@@ -105,3 +123,47 @@ def test_the_bubble_of_the_stages_own_tasks_leaves_communication_out() -> None:
     timeline = merged_timeline([rank0, rank1], cells=2, microbatches=1, schedule="gpipe")
     assert bubble_of_own_tasks(timeline, "never") == pytest.approx(0.5)
     assert timeline.bubble() > 0.5  # the measured step waited on top of that
+
+
+# -- every schedule, on the suite's two persistent processes -----------------------------------
+
+_ARGV = ["--steps", "3", "--width", "16", "--depth", "3", "--batch", "32", "--chunks", "4",
+         "--lr", "1e-2", "--seed", "3"]  # fmt: skip
+
+
+def _plain_losses() -> list[float]:
+    """The demo's model trained as a plain model on the same batches, with the same Adam."""
+    args = arguments(["--processes", "2", *_ARGV])
+    torch.manual_seed(args.seed)
+    model, data = processes._workload(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_trains_across_processes_as_the_plain_model(
+    two: Cluster, schedule: str, tmp_path: Path
+) -> None:
+    reports = values(two.run("demo_cases.train_rank", argv=[*_ARGV, "--schedule", schedule]))
+    cells = 2 * cells_per_worker(schedule)
+    assert [len(r["balance"]) for r in reports] == [cells, cells]
+    # Each rank ran the forwards of the cells the schedule places on it.
+    where = placement(schedule, cells, 2)
+    for rank, result in enumerate(reports):
+        ran = {s.cell for s in result["spans"] if s.kind == "forward"}
+        assert ran == {cell for cell in range(cells) if where[cell] == rank}
+    # Every rank has the step's loss, the plain model's (float32: the micro-batches' sums).
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert reports[0]["losses"] == pytest.approx(_plain_losses(), rel=1e-5)
+    timeline = merged_timeline([r["spans"] for r in reports], cells, 4, schedule)
+    assert 0 <= bubble_of_own_tasks(timeline, "except_last") < 1
+    report.write_timeline(timeline, tmp_path, "every rank's workers")
+    svg = (tmp_path / "timeline.svg").read_text()
+    assert f"gpipe_fast step, schedule {schedule}: {cells} cells on 2 workers" in svg

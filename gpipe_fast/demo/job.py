@@ -9,9 +9,8 @@ import copy
 import os
 import statistics
 import sys
-import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
+from gpipe_fast.demo import alone as alone
 from gpipe_fast.demo import report as report
 from gpipe_fast.demo.unet import batch as unet_batch
 from gpipe_fast.demo.unet import unet
@@ -45,13 +45,27 @@ def _positive(text: str) -> int:
 # cells 4 of the 512 x 512 layers, so the cells balance; a default run takes seconds.
 
 
+def cells_per_worker(schedule: str) -> int:
+    """The cells the demo gives each worker (or process) under `schedule`: the kind's fixed
+    number, and 2 where it takes any number (interleaved)."""
+    return int(schedule_kind(schedule).stages_per_worker) or 2
+
+
+def _schedule_help() -> str:
+    kinds = "; ".join(f"{name}: {schedule_kind(name).summary}" for name in SCHEDULES)
+    return (
+        f"the order of a training step's tasks, in one process and across processes (default "
+        f"1f1b). {kinds}. The demo runs 2 cells per worker under interleaved and zbv"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gpipe_fast demo",
         description="Train a deep MLP on synthetic data (a fixed random teacher network) with "
-        "GPipe over the devices present (all GPUs, or K CPU cells) and, on the same data in "
-        "alternating blocks of steps, the plain model on all cores (or one GPU); then explain "
-        "the throughputs from one step's timeline.",
+        "GPipe (pipe.train_step) over the devices present (all GPUs, or K CPU workers) and, on "
+        "the same data in alternating blocks of steps, the plain model on all cores (or one "
+        "GPU); then explain the throughputs from one step's timeline, and draw it.",
     )
     parser.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
     parser.add_argument(
@@ -59,18 +73,26 @@ def _parser() -> argparse.ArgumentParser:
         choices=["mlp", "unet"],
         default="mlp",
         help="mlp: the deep MLP (default); unet: a small conv U-Net denoising images, whose "
-        "skip connections cross cells (gpipe_fast.skip; one process only)",
+        "skip connections cross cells (gpipe_fast.skip), and with --processes travel between "
+        "the processes; --width and --depth are the MLP's",
     )
     parser.add_argument(
         "--cells",
-        type=int,
+        type=_positive,
         default=None,
-        help="K, cells (default: number of GPUs, else 2 CPU cells)",
+        help="workers in one process (default: the number of GPUs, else 2 on CPU), each "
+        "running one cell, or 2 under interleaved and zbv; across processes each process is "
+        "one worker (--processes)",
     )
     parser.add_argument("--chunks", type=_positive, default=8, help="M, micro-batches (default 8)")
     parser.add_argument(
-        "--checkpoint", choices=["always", "except_last", "never"], default="except_last"
+        "--checkpoint",
+        choices=["always", "except_last", "never"],
+        default="except_last",
+        help="which micro-batches' activations are recomputed in the backward (default "
+        "except_last)",
     )
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help=_schedule_help())
     parser.add_argument("--width", type=_positive, default=512, help="hidden width (default 512)")
     parser.add_argument("--depth", type=_positive, default=9, help="hidden layers (default 9)")
     parser.add_argument(
@@ -82,26 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lr", type=float, default=3e-4, help="Adam's learning rate (default 3e-4)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights and the data (default 0)"
+    )
     parser.add_argument(
         "--processes",
         type=_positive,
         default=1,
-        help="P > 1: train with one cell per process, P processes started here and joined by "
-        "gloo over 127.0.0.1 (default 1: one process)",
-    )
-    parser.add_argument(
-        "--schedule",
-        choices=[k for k in SCHEDULES if schedule_kind(k).stages_per_worker == 1],
-        default="1f1b",
-        help="the schedule across processes (default 1f1b)",
+        help="P > 1: train with one worker per process (its cells as --schedule gives), P "
+        "processes started here and joined by gloo over 127.0.0.1 (default 1: one process)",
     )
     parser.add_argument(
         "--out",
         type=Path,
         default=Path("gpipe_fast_out"),
-        help="folder for the timeline of one step: timeline.trace.json and, with "
-        "matplotlib, timeline.png (default ./gpipe_fast_out)",
+        help="folder for the timeline of one step: timeline.trace.json (ui.perfetto.dev), "
+        "timeline.svg (a web browser) and, with matplotlib, timeline.png (default "
+        "./gpipe_fast_out)",
     )
     return parser
 
@@ -158,13 +177,21 @@ def _rival(devices: Sequence[torch.device]) -> str:
 # -- training ---------------------------------------------------------------------------------
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor) -> float:
-    optimizer.zero_grad(set_to_none=True)
-    out = model(x)
-    loss = nn.functional.mse_loss(out, y.to(out.device))
-    loss.backward()
-    optimizer.step()
-    return loss.item()  # waits for the step, on a GPU too
+StepFn = Callable[[Tensor, Tensor], Tensor]  # (x, y) -> the loss, its gradients computed
+
+
+def _plain_step(model: nn.Module) -> StepFn:
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        out = model(x)
+        loss = nn.functional.mse_loss(out, y.to(out.device))
+        loss.backward()
+        return loss
+
+    return step
+
+
+def _pipe_step(pipe: gf.GPipe) -> StepFn:
+    return lambda x, y: pipe.train_step(x, y, nn.functional.mse_loss)
 
 
 @dataclass
@@ -172,19 +199,22 @@ class _Trainee:
     """A model in training: its losses, and the seconds per step of each timed block."""
 
     name: str
-    model: nn.Module
+    step: StepFn
     optimizer: torch.optim.Optimizer
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)  # one per timed block
 
     @classmethod
-    def adam(cls, name: str, model: nn.Module, lr: float) -> _Trainee:
-        return cls(name, model, torch.optim.Adam(model.parameters(), lr=lr))
+    def adam(cls, name: str, model: nn.Module, step: StepFn, lr: float) -> _Trainee:
+        return cls(name, step, torch.optim.Adam(model.parameters(), lr=lr))
 
     def train(self, batches: Sequence[Batch], timed: bool) -> None:
         start = time.perf_counter()
         for x, y in batches:
-            self.losses.append(_train_step(self.model, self.optimizer, x, y))
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.step(x, y)
+            self.optimizer.step()
+            self.losses.append(loss.item())  # waits for the step, on a GPU too
         if timed:
             self.step_seconds.append((time.perf_counter() - start) / len(batches))
 
@@ -224,10 +254,9 @@ def _train_side_by_side(trainees: Sequence[_Trainee], data: Sequence[Batch]) -> 
 
 
 def _record_step(pipe: gf.GPipe, x: Tensor, y: Tensor) -> gf.Timeline:
-    """One more forward and backward with the timeline recorded (no optimizer step)."""
+    """One more train_step with the timeline recorded (no optimizer step)."""
     pipe.record_timeline()
-    out = pipe(x)
-    nn.functional.mse_loss(out, y.to(out.device)).backward()
+    pipe.train_step(x, y, nn.functional.mse_loss)
     timeline = pipe.timeline()
     pipe.record_timeline(False)
     pipe.zero_grad(set_to_none=True)
@@ -239,36 +268,31 @@ def _median_step(pipe: gf.GPipe, x: Tensor, y: Tensor) -> gf.Timeline:
     return sorted(recorded, key=lambda timeline: timeline.makespan)[len(recorded) // 2]
 
 
-def _plain_work(model: nn.Module, x: Tensor) -> float:
-    """The plain model's forward and backward on one mini-batch, timed alone (seconds)."""
-    alone = report.time_cell_alone(model, x, needs_input_grad=False, threads=None, repeats=3)
+def _plain_work(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """The plain model's forward, loss and backward on one mini-batch, timed alone (s)."""
+    costs = alone.time_cell_alone(model, x, needs_input_grad=False, threads=None, repeats=3)
+    with torch.no_grad():
+        out = model(x)
+    loss = alone.time_loss_alone(out, y.to(out.device), nn.functional.mse_loss, repeats=3)
     model.zero_grad(set_to_none=True)
-    return alone.forward_grad + alone.backward
+    return costs.forward_grad + costs.backward + loss
 
 
 def _time_alone(
-    pipe: gf.GPipe, plain: nn.Module, x: Tensor, rounds: int = 3
-) -> tuple[list[report.AloneCosts], float]:
+    pipe: gf.GPipe, plain: nn.Module, x: Tensor, y: Tensor, rounds: int = 3
+) -> tuple[list[alone.AloneCosts], float]:
     """The cells and the plain model timed alone in alternating rounds (medians), so that the
     work they are compared on meets the same noise."""
     cells, plain_work = [], []
     for _ in range(rounds):
-        cells.append(report.time_cells_alone(pipe, x, repeats=3))
-        plain_work.append(_plain_work(plain, x))
-    medians = [report.median_costs([r[k] for r in cells]) for k in range(len(cells[0]))]
+        loss = (y, nn.functional.mse_loss)
+        cells.append(alone.time_cells_alone(pipe, x, repeats=3, loss=loss))
+        plain_work.append(_plain_work(plain, x, y))
+    medians = [alone.median_costs([r[k] for r in cells]) for k in range(len(cells[0]))]
     return medians, statistics.median(plain_work)
 
 
 # -- printing ---------------------------------------------------------------------------------
-
-
-def _say(text: str) -> None:
-    """Prints a paragraph wrapped to 100 columns, its later lines indented."""
-    print(
-        textwrap.fill(
-            text, 100, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
-        )
-    )
 
 
 def _peak_rss_mib() -> float | None:
@@ -282,17 +306,20 @@ def _peak_rss_mib() -> float | None:
 
 
 def _print_setup(
-    pipe: gf.GPipe, model: nn.Sequential, args: argparse.Namespace, rival: str
+    pipe: gf.GPipe, model: nn.Sequential, args: argparse.Namespace, rival: str, workers: int
 ) -> None:
     threads = pipe.threads_per_cell
-    _say(
+    cells = len(pipe.balance)
+    each = "" if workers == cells else f" ({cells // workers} per worker)"
+    report.say(
         f"gpipe_fast demo: {len(model)} layers, {sum(p.numel() for p in model.parameters()):,} "
-        f"parameters, K={len(pipe.balance)} cells {pipe.balance} on "
-        f"{[str(d) for d in pipe.devices]}, M={args.chunks}, checkpoint={args.checkpoint!r}, "
+        f"parameters, schedule {pipe.schedule!r}, K={cells} cells {pipe.balance} on "
+        f"{[str(d) for d in pipe.devices[:workers]]}{each}, M={args.chunks}, "
+        f"checkpoint={args.checkpoint!r}, "
         f"threads per cell: {'default' if threads is None else threads} "
         f"({pipe.threads_reason})"
     )
-    _say(
+    report.say(
         f"against the plain model on {rival}: same initial weights, data and optimizer, "
         f"trained in alternating blocks of {_plural(_block_steps(args.steps), 'step')}"
     )
@@ -302,7 +329,7 @@ def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> fl
     """Prints the losses and throughputs; returns gpipe_fast's throughput over the rival's."""
     drops = [t.loss_drop() for t in trainees]
     window = drops[0][2]
-    _say(
+    report.say(
         "loss: "
         + ", ".join(
             f"{t.name} {d[0]:.4f} -> {d[1]:.4f}" for t, d in zip(trainees, drops, strict=True)
@@ -310,29 +337,42 @@ def _print_training(trainees: Sequence[_Trainee], batch: int, blocks: int) -> fl
         + f" (mean of the first and of the last {window} steps)"
     )
     pipe, plain = (t.throughput(batch) for t in trainees)
-    _say(
+    report.say(
         f"throughput: gpipe_fast {pipe:,.0f} samples/s, plain model {plain:,.0f} samples/s: "
         f"{pipe / plain:.2f}x (median of {blocks} timed blocks each)"
     )
     return pipe / plain
 
 
-def _print_step(
-    timeline: gf.Timeline, cells: Sequence[report.CellBreakdown], simulated: float
-) -> None:
-    _say(
-        f"one step of gpipe_fast (the median of {_RECORDED_STEPS} recorded): makespan "
-        f"{timeline.makespan * 1e3:.1f} ms, per cell: compute and recompute timed alone "
-        f"outside the pipe; overhead, the tasks' time beyond that (the GIL, cores taken by "
-        f"other work) and hand-offs between tasks; idle, waiting for the other cells"
+def _ideal(timeline: gf.Timeline) -> str:
+    """The ideal bubble and what it is, for the bubble line."""
+    kind = schedule_kind(timeline.schedule)
+    cells, workers, m = timeline.cells, len(timeline.compute_rows()), timeline.microbatches
+    formula = kind.stages_per_worker == 1 and not kind.split_backward  # gpipe, 1f1b
+    return (
+        f"ideal {timeline.ideal_bubble:.1%} for {timeline.schedule} with K={cells}"
+        + ("" if workers == cells else f" cells on {workers} workers")
+        + f", M={m} "
+        + ("((K-1)/(M+K-1))" if formula else "(equal cells, no overhead, simulated)")
     )
-    print(report.format_breakdown(cells))
-    handoffs = report.total_share(cells, lambda c: c.handoff_s)
-    _say(
-        f"bubble: measured {timeline.bubble():.1%} of cell time (idle and hand-offs: "
-        f"{timeline.bubble() - handoffs:.1%} + {handoffs:.1%}), ideal "
-        f"{timeline.ideal_bubble:.1%} for K={timeline.cells}, M={timeline.microbatches} "
-        f"((K-1)/(M+K-1)), {simulated:.1%} with these cells' costs timed alone"
+
+
+def _print_step(
+    timeline: gf.Timeline, workers: Sequence[report.WorkerBreakdown], simulated: float
+) -> None:
+    report.say(
+        f"one step of gpipe_fast (the median of {_RECORDED_STEPS} recorded): makespan "
+        f"{timeline.makespan * 1e3:.1f} ms, per worker (the cells it runs): compute and "
+        f"recompute timed alone outside the pipe; overhead, the tasks' time beyond that (the "
+        f"GIL, cores taken by other work) and hand-offs between tasks; idle, waiting for the "
+        f"other workers"
+    )
+    print(report.format_breakdown(workers))
+    handoffs = report.total_share(workers, lambda w: w.handoff_s)
+    report.say(
+        f"bubble: measured {timeline.bubble():.1%} of worker time (idle and hand-offs: "
+        f"{timeline.bubble() - handoffs:.1%} + {handoffs:.1%}), {_ideal(timeline)}, "
+        f"{simulated:.1%} with these cells' costs timed alone"
     )
 
 
@@ -342,7 +382,7 @@ def _print_load(cores: int) -> None:
         return
     load = os.getloadavg()[0]
     if load >= 0.5 * cores:
-        _say(
+        report.say(
             f"note: load average {load:.1f} on {cores} cores when the demo started: other work "
             f"shares the cores, so these timings are noisy"
         )
@@ -360,12 +400,33 @@ def _print_memory(pipe: gf.GPipe) -> None:
 # -- the job ----------------------------------------------------------------------------------
 
 
-def run_demo(argv: list[str]) -> int:
-    """Runs the demo; 0 when gpipe_fast's loss went down."""
+def _pipe(model: nn.Sequential, devices: Sequence[torch.device], args: argparse.Namespace
+          ) -> tuple[gf.GPipe, int]:  # fmt: skip
+    """The pipe of `model` under the schedule asked for, and its workers: one per device, each
+    running cells_per_worker cells (at most as many cells as layers)."""
+    per_worker = cells_per_worker(args.schedule)
+    workers = max(1, min(len(devices), len(model) // per_worker))  # the MLP has 3 layers or more
+    pipe = gf.GPipe(model, gf.balance_by_params(workers * per_worker, model),
+                    devices=list(devices[:workers]), chunks=args.chunks,
+                    checkpoint=args.checkpoint, schedule=args.schedule)  # fmt: skip
+    return pipe, workers
+
+
+def arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """The demo's options from the command line `argv`, defaults filled in (exits with the
+    usage and the error on a bad one, as argparse does)."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(list(argv))
     if args.batch is None:
         args.batch = 64 if args.model == "unet" else 1024
+    if args.processes > 1 and args.cells is not None:
+        parser.error("--cells is for one process: across processes each process is one worker")
+    return args
+
+
+def run_demo(argv: list[str]) -> int:
+    """Runs the demo; 0 when gpipe_fast's loss went down."""
+    args = arguments(argv)
     if args.processes > 1:
         from gpipe_fast.demo import processes  # it imports this module: not at the top
 
@@ -379,39 +440,32 @@ def run_demo(argv: list[str]) -> int:
         model = _model(args.width, args.depth, _INPUTS)  # first: as above
         data = _data(args.steps, args.batch, devices[0])
     plain = copy.deepcopy(model).to(devices[0])  # the same initial weights
-    cells = min(len(devices), len(model))
-    pipe = gf.GPipe(
-        model,
-        gf.balance_by_params(cells, model),
-        devices=devices[:cells],
-        chunks=args.chunks,
-        checkpoint=args.checkpoint,
-    )
+    pipe, workers = _pipe(model, devices, args)
     try:
         _print_load(cpu_cores())
         rival = _rival(devices)
-        _print_setup(pipe, model, args, rival)
+        _print_setup(pipe, model, args, rival, workers)
         trainees = [
-            _Trainee.adam("gpipe_fast", pipe, args.lr),
-            _Trainee.adam("plain model", plain, args.lr),
+            _Trainee.adam("gpipe_fast", pipe, _pipe_step(pipe), args.lr),
+            _Trainee.adam("plain model", plain, _plain_step(plain), args.lr),
         ]
         blocks = _train_side_by_side(trainees, data)
         ratio = _print_training(trainees, args.batch, blocks)
 
         x, y = data[-1]
         timeline = _median_step(pipe, x, y)
-        alone, plain_work = _time_alone(pipe, plain, x)
-        cells_breakdown = report.breakdown(timeline, alone, pipe.threads_per_cell)
-        _print_step(timeline, cells_breakdown, report.simulated_bubble(timeline, alone))
+        costs, plain_work = _time_alone(pipe, plain, x, y)
+        per_worker = report.breakdown(timeline, costs, pipe.threads_per_cell)
+        _print_step(timeline, per_worker, report.simulated_bubble(timeline, costs))
         comparison = report.Comparison(
             ratio=ratio,
             rival=rival,
             plain_work_s=plain_work,
-            cells=cells_breakdown,
+            workers=per_worker,
             on_cpu=all(d.type == "cpu" for d in pipe.devices),
         )
-        _say(comparison.work_line())
-        _say(comparison.verdict())
+        report.say(comparison.work_line())
+        report.say(comparison.verdict())
         report.write_timeline(timeline, args.out, "open in ui.perfetto.dev or chrome://tracing")
         _print_memory(pipe)
     finally:

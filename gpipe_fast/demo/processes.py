@@ -23,6 +23,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.demo import report
+from gpipe_fast.demo.job import cells_per_worker
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import actions, communication_actions
 
@@ -42,11 +43,22 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=args.processes)
     try:
-        torch.manual_seed(args.seed)
-        model, data = _workload(args)  # the same weights and batches on every rank
-        pipe = gf.GPipe(model, gf.balance_by_params(args.processes, model), chunks=args.chunks,
-                        checkpoint=args.checkpoint, schedule=args.schedule,
-                        pp_group=dist.group.WORLD)  # fmt: skip
+        results.put(train_rank(rank, args))
+    finally:
+        dist.destroy_process_group()
+
+
+def train_rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """This rank's part of the demo, in a process group of every rank: it trains its cells
+    (the schedule's number per process) and records one more step. Returns what the parent
+    reports: its losses, step times, the recorded step's spans and the pipe's facts."""
+    torch.manual_seed(args.seed)
+    model, data = _workload(args)  # the same weights and batches on every rank
+    cells = dist.get_world_size() * cells_per_worker(args.schedule)
+    pipe = gf.GPipe(model, gf.balance_by_params(cells, model), chunks=args.chunks,
+                    checkpoint=args.checkpoint, schedule=args.schedule,
+                    pp_group=dist.group.WORLD)  # fmt: skip
+    try:
         optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
         losses, seconds = [], []
         progress = tqdm(total=args.steps, desc="gpipe_fast", unit="step", disable=rank != 0)
@@ -63,29 +75,26 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results: Any) -> Non
         x, y = data[-1]
         pipe.train_step(x, y, nn.functional.mse_loss)  # one more step, recorded
         timeline = pipe.timeline()
-        pipe.close()
-        # Every rank hands the parent its own spans (the parent draws them together).
-        results.put(
-            {
-                "rank": rank,
-                "losses": losses,
-                "seconds": seconds,
-                "spans": timeline.spans,
-                "microbatches": timeline.microbatches,
-                "threads": pipe.threads_per_cell,
-                "threads_reason": pipe.threads_reason,
-                "transport": pipe.transport_kind,
-                "transport_reason": pipe.transport_reason,
-                "balance": pipe.balance,
-            }
-        )
     finally:
-        dist.destroy_process_group()
+        pipe.close()
+    # Every rank hands the parent its own spans (the parent draws them together).
+    return {
+        "rank": rank,
+        "losses": losses,
+        "seconds": seconds,
+        "spans": timeline.spans,
+        "microbatches": timeline.microbatches,
+        "threads": pipe.threads_per_cell,
+        "threads_reason": pipe.threads_reason,
+        "transport": pipe.transport_kind,
+        "transport_reason": pipe.transport_reason,
+        "balance": pipe.balance,
+    }
 
 
 def _workload(args: argparse.Namespace) -> tuple[nn.Sequential, list[Any]]:
     """The single-process demo's model and batches: the MLP, or the U-Net (--model unet)."""
-    from gpipe_fast.demo.job import _INPUTS, _data, _model  # it imports this module
+    from gpipe_fast.demo.job import _INPUTS, _data, _model
     from gpipe_fast.demo.unet import batch as unet_batch
     from gpipe_fast.demo.unet import unet
 
@@ -134,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    print(
-        f"gpipe_fast demo across {args.processes} processes (gloo over 127.0.0.1, one cell "
+    per_process = cells_per_worker(args.schedule)
+    each = "one cell" if per_process == 1 else f"{per_process} cells"
+    report.say(
+        f"gpipe_fast demo across {args.processes} processes (gloo over 127.0.0.1, {each} "
         f"each), model {args.model!r}, schedule {args.schedule!r}, M={args.chunks}, "
         f"checkpoint={args.checkpoint!r}; "
         f"on a cluster: torchrun --nproc-per-node {args.processes} your_script.py"
@@ -151,22 +162,24 @@ def run(args: argparse.Namespace) -> int:
         process.join()
     if reports is None:
         codes = [process.exitcode for process in processes]
-        print(f"a process failed (exit codes {codes}); see its error above")
+        report.say(f"a process failed (exit codes {codes}); see its error above")
         return 2
     by_rank = sorted(reports, key=lambda r: r["rank"])
     result = by_rank[0]
     losses, seconds = result["losses"], result["seconds"][1:] or result["seconds"]
     window = max(1, min(10, len(losses) // 2))
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    print(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'} "
-          f"({result['threads_reason']}); tensors between processes: {result['transport']} "
-          f"({result['transport_reason']})")  # fmt: skip
-    print(f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)")
+    report.say(f"cells {result['balance']}, threads per process: {result['threads'] or 'default'} "
+               f"({result['threads_reason']}); tensors between processes: "
+               f"{result['transport']} ({result['transport_reason']})")  # fmt: skip
+    report.say(
+        f"loss: {first:.4f} -> {last:.4f} (mean of the first and of the last {window} steps)"
+    )
     print(f"throughput: {args.batch / statistics.median(seconds):,.0f} samples/s (median step)")
     timeline = merged_timeline([r["spans"] for r in by_rank], len(result["balance"]),
                                result["microbatches"], args.schedule)  # fmt: skip
     own = bubble_of_own_tasks(timeline, args.checkpoint)
-    print(
+    report.say(
         f"one step: makespan {timeline.makespan * 1e3:.1f} ms, bubble {timeline.bubble():.1%} "
         f"(ideal {timeline.ideal_bubble:.1%} with equal stages; {own:.1%} with these stages' "
         "own task times and no communication); per rank: "

@@ -1,54 +1,33 @@
-"""The demo's explanation of a pipelined step: compute, overhead, idle per cell; the verdict."""
+"""The demo's explanation of a pipelined step: compute, overhead, idle per worker; the verdict."""
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+import textwrap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
-
-import torch
-from torch import Tensor, nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.runtime.timeline import Kind
-from gpipe_fast.schedule.registry import actions
-from gpipe_fast.skip import CellSkipTracker, SkipLayout, inspect_skip_layout, use_skip_tracker
+from gpipe_fast.demo.alone import AloneCosts
+from gpipe_fast.schedule.registry import actions, recomputed
+
+Recomputed = set[tuple[int, int]]  # (cell, micro-batch) pairs
 
 
 @dataclass(frozen=True)
-class AloneCosts:
-    """Seconds one cell takes on one micro-batch, timed alone outside the pipe (median)."""
+class WorkerBreakdown:
+    """Where one worker's time went in one step (phases concatenated, as Timeline.makespan).
 
-    forward: float  # without a graph: the forward of a checkpointed micro-batch
-    forward_grad: float  # building the graph: a forward not checkpointed, or a recompute
-    backward: float
+    ``compute_s + recompute_s + overhead_s + idle_s == makespan_s``: compute is the tasks of
+    the worker's cells timed alone (recompute: their re-run forwards), overhead what the
+    pipe added (task spans beyond that compute, and hand-offs: a task starting later than
+    its inputs and its worker were ready), idle the rest (waiting for the other workers:
+    fill, drain, imbalance)."""
 
-    def of(self, kind: Kind, checkpointed: bool) -> float:
-        """What a task of this kind computes, on a micro-batch checkpointed or not."""
-        if kind == "backward":
-            return self.backward
-        if kind == "forward" and checkpointed:
-            return self.forward
-        return self.forward_grad
-
-
-@dataclass(frozen=True)
-class CellBreakdown:
-    """Where one cell's time went in one step (phases concatenated, as Timeline.makespan).
-
-    ``compute_s + recompute_s + overhead_s + idle_s == makespan_s``: compute is the cell's
-    tasks timed alone (recompute: its re-run forwards), overhead what the pipe added (task
-    spans beyond that compute, and hand-offs: a task starting later than its inputs and its
-    cell were ready), idle the rest (waiting for the other cells: fill, drain, imbalance)."""
-
-    cell: int
+    worker: int
+    cells: tuple[int, ...]  # the cells it runs: one, or several (interleaved, zbv)
     threads: int | None
     tasks: int
     makespan_s: float
@@ -69,207 +48,130 @@ class CellBreakdown:
         return seconds / self.makespan_s if self.makespan_s > 0 else 0.0
 
 
-# -- measuring --------------------------------------------------------------------------------
-
-
-@contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """This thread's intra-op threads set to `threads` (None: left as they are)."""
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _timer(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter
-
-
-def time_cell_alone(
-    cell: nn.Module,
-    sample: Tensor,
-    needs_input_grad: bool,
-    threads: int | None,
-    repeats: int = 5,
-) -> AloneCosts:
-    """Times `cell` on `sample` (one micro-batch, on the cell's device) on this thread with
-    `threads` intra-op threads, as the cell's worker runs it: the medians of `repeats` runs
-    after one warm-up. The backward accumulates into the cell's .grad; zero it afterwards."""
-    clock = _timer(sample.device)
-    forward, forward_grad, backward = [], [], []
-    with intra_op_threads(threads):
-        for _ in range(repeats + 1):
-            start = clock()
-            with torch.no_grad():
-                cell(sample)
-            forward.append(clock() - start)
-            leaf = sample.detach().requires_grad_(needs_input_grad)
-            start = clock()
-            with torch.enable_grad():
-                output = cell(leaf)
-            built = clock()
-            grad = torch.ones_like(output)
-            begin = clock()
-            torch.autograd.backward(output, grad)
-            backward.append(clock() - begin)
-            forward_grad.append(built - start)
-    return AloneCosts(
-        statistics.median(forward[1:]),
-        statistics.median(forward_grad[1:]),
-        statistics.median(backward[1:]),
-    )
-
-
-def median_costs(runs: Sequence[AloneCosts]) -> AloneCosts:
-    """Each pass's median over several timings of one cell."""
-    return AloneCosts(
-        statistics.median(r.forward for r in runs),
-        statistics.median(r.forward_grad for r in runs),
-        statistics.median(r.backward for r in runs),
-    )
-
-
-class _WithSkips(nn.Module):
-    """A cell run alone with the skips that earlier cells stashed for it (a fresh tracker per
-    call, so every run pops them again); what it stashes for later cells is dropped."""
-
-    def __init__(self, cell: nn.Module, layout: SkipLayout, k: int, received: dict[Any, Any]):
-        super().__init__()
-        self.cell, self.layout, self.k, self.received = cell, layout, k, received
-
-    def forward(self, x: Tensor) -> Tensor:
-        with use_skip_tracker(CellSkipTracker(self.layout, self.k, self.received)):
-            return self.cell(x)  # type: ignore[no-any-return]
-
-
-def time_cells_alone(pipe: gf.GPipe, batch: Tensor, repeats: int = 5) -> list[AloneCosts]:
-    """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input, and the
-    skips it pops, made by the cells before it), with the pipe's threads per cell. Leaves
-    the cells' .grad zeroed."""
-    sample = scatter(batch, pipe.chunks)[0]
-    assert isinstance(sample, Tensor)
-    layout = inspect_skip_layout([cast(nn.Sequential, cell) for cell in pipe.partitions])
-    stashed: dict[Any, Any] = {}  # the skips cells stashed for later ones, by key
-    costs = []
-    for k, cell in enumerate(pipe.partitions):
-        sample = sample.to(pipe.devices[k])
-        received = {key: stashed[key] for key in layout.receives(k)}
-        timed = _WithSkips(cell, layout, k, received)
-        # A cell's input needs a gradient when a cell before it learns (as in the pipe).
-        costs.append(time_cell_alone(timed, sample, k > 0, pipe.threads_per_cell, repeats))
-        tracker = CellSkipTracker(layout, k, received)
-        with torch.no_grad(), use_skip_tracker(tracker):
-            sample = cell(sample)
-        stashed.update(tracker.outgoing)
-    pipe.zero_grad(set_to_none=True)
-    return costs
-
-
 # -- explaining -------------------------------------------------------------------------------
 
 
-def _schedules(timeline: gf.Timeline, checkpointed: Sequence[bool]) -> dict[str, _C.Schedule]:
-    """The schedules the pipe ran (the spans' task ids index them)."""
-    cells, count = timeline.cells, timeline.microbatches
+def checkpointed(timeline: gf.Timeline) -> Recomputed:
+    """The (cell, micro-batch) pairs the step checkpointed: those with a recompute task."""
+    return {(s.cell, s.microbatch) for s in timeline.spans if s.kind == "recompute"}
+
+
+def _stage_workers(timeline: gf.Timeline) -> list[int]:
+    placement = {s.cell: s.row for s in timeline.spans}
+    return [placement.get(cell, cell) for cell in range(timeline.cells)]
+
+
+def _train_step_schedule(timeline: gf.Timeline) -> _C.Schedule:
+    """The train_step schedule of one process that the step ran: the checkpoint mode is the
+    one whose recomputes the spans show (ValueError when no mode's tasks are the spans')."""
+    workers = max(_stage_workers(timeline)) + 1
+    names = actions()
+    spans = [s for s in timeline.spans if s.phase == "step"]
+    for mode in ("never", "except_last", "always"):
+        schedule = _C.make_schedule(timeline.schedule, timeline.cells, workers,
+                                    timeline.microbatches, mode)  # fmt: skip
+        flags = recomputed(schedule)
+        again = {(k, m) for k, row in enumerate(flags) for m, flag in enumerate(row) if flag}
+        tasks = schedule.tasks
+        if again == checkpointed(timeline) and all(
+            s.task < len(tasks) and (names[tasks[s.task].action], tasks[s.task].stage,
+                                     tasks[s.task].microbatch) == (s.kind, s.cell, s.microbatch)
+            for s in spans
+        ):  # fmt: skip
+            return schedule
+    raise ValueError(
+        f"the timeline's tasks are not those of a one-process {timeline.schedule!r} step of "
+        f"{timeline.cells} cells and {timeline.microbatches} micro-batches"
+    )
+
+
+def schedules(timeline: gf.Timeline) -> dict[str, _C.Schedule]:
+    """The schedules the pipe ran, by phase (the spans' task ids index them): a train_step's,
+    or pipe(x)'s fill-drain forward and its backward."""
+    if any(s.phase == "step" for s in timeline.spans):
+        return {"step": _train_step_schedule(timeline)}
+    again = {m for _, m in checkpointed(timeline)}
+    flags = [m in again for m in range(timeline.microbatches)]
+    cells, count, workers = timeline.cells, timeline.microbatches, _stage_workers(timeline)
     return {
-        "forward": _C.gpipe_forward(cells, count),
-        "backward": _C.gpipe_backward(cells, count, list(checkpointed)),
+        "forward": _C.gpipe_forward(cells, count, workers),
+        "backward": _C.gpipe_backward(cells, count, flags, workers),
     }
 
 
-def checkpointed_microbatches(timeline: gf.Timeline) -> list[bool]:
-    """Which micro-batches the step checkpointed: those with a recompute task."""
-    recomputed = {s.microbatch for s in timeline.spans if s.kind == "recompute"}
-    return [m in recomputed for m in range(timeline.microbatches)]
-
-
 def handoff_seconds(timeline: gf.Timeline) -> list[float]:
-    """Per cell, the time its tasks started after they could have: after the previous task on
-    the cell and the tasks they take inputs from had ended (the executor's hand-offs)."""
-    schedules = _schedules(timeline, checkpointed_microbatches(timeline))
-    gaps = [0.0] * timeline.cells
-    for phase, schedule in schedules.items():
+    """Per worker, the time its tasks started after they could have: after the previous task
+    on the worker and the tasks they take inputs from had ended (the executor's hand-offs)."""
+    gaps = [0.0] * timeline.rows
+    for phase, schedule in schedules(timeline).items():
         spans = {s.task: s for s in timeline.spans if s.phase == phase and s.kind != "copy"}
         if not spans:
             continue
         phase_start = min(s.start_s for s in spans.values())
-        for cell in range(timeline.cells):
+        for worker in range(schedule.workers):
             previous_end = phase_start
-            for task in schedule.order(cell):
+            for task in schedule.order(worker):
                 span = spans[task]
                 ready = max(
                     [previous_end] + [spans[dep].end_s for dep in schedule.tasks[task].deps]
                 )
-                gaps[cell] += max(0.0, span.start_s - ready)
+                gaps[worker] += max(0.0, span.start_s - ready)
                 previous_end = span.end_s
     return gaps
 
 
 def breakdown(
     timeline: gf.Timeline, alone: Sequence[AloneCosts], threads: int | None
-) -> list[CellBreakdown]:
-    """Per cell: the step's makespan split into compute, recompute, overhead and idle."""
-    checkpointed = checkpointed_microbatches(timeline)
+) -> list[WorkerBreakdown]:
+    """Per worker: the step's makespan split into compute, recompute, overhead and idle."""
+    again = checkpointed(timeline)
     handoffs = handoff_seconds(timeline)
-    cells = []
-    for k in range(timeline.cells):
-        spans = [s for s in timeline.spans if s.cell == k and s.kind != "copy"]
+    workers = []
+    for w in range(timeline.rows):
+        spans = [s for s in timeline.spans if s.row == w and s.kind != "copy"]
         busy = sum(s.duration_s for s in spans)
-        compute = sum(
-            alone[k].of(s.kind, checkpointed[s.microbatch]) for s in spans if s.kind != "recompute"
-        )
-        recompute = sum(alone[k].of(s.kind, True) for s in spans if s.kind == "recompute")
+        compute = sum(alone[s.cell].of(s.kind, (s.cell, s.microbatch) in again)
+                      for s in spans if s.kind != "recompute")  # fmt: skip
+        recompute = sum(alone[s.cell].of(s.kind, True) for s in spans if s.kind == "recompute")
         # Noise can make the alone timing exceed the spans: then the overhead is nil and the
         # compute is what the spans took, so the parts still add up to the makespan.
         scale = min(1.0, busy / (compute + recompute)) if compute + recompute > 0 else 0.0
-        cells.append(
-            CellBreakdown(
-                cell=k,
+        workers.append(
+            WorkerBreakdown(
+                worker=w,
+                cells=tuple(sorted({s.cell for s in spans})),
                 threads=threads,
                 tasks=len(spans),
                 makespan_s=timeline.makespan,
                 compute_s=compute * scale,
                 recompute_s=recompute * scale,
                 span_overhead_s=max(0.0, busy - compute - recompute),
-                handoff_s=handoffs[k],
+                handoff_s=handoffs[w],
             )
         )
-    return cells
+    return workers
 
 
 def simulated_bubble(timeline: gf.Timeline, alone: Sequence[AloneCosts]) -> float:
     """The bubble of the step's schedules with the cells' alone costs and no overhead: the
-    fill-drain bubble plus what the cells' imbalance adds."""
-    checkpointed = checkpointed_microbatches(timeline)
+    schedule's own bubble plus what the cells' imbalance adds."""
+    again = checkpointed(timeline)
     makespan = busy = 0.0
     names = actions()
-    for schedule in _schedules(timeline, checkpointed).values():
-        costs = []
-        for task in schedule.tasks:
-            kind = names[task.action]
-            costs.append(alone[task.stage].of(kind, checkpointed[task.microbatch]))
+    for schedule in schedules(timeline).values():
+        costs = [alone[t.stage].of(names[t.action], (t.stage, t.microbatch) in again)
+                 for t in schedule.tasks]  # fmt: skip
         makespan += _C.simulate(schedule, costs).makespan
         busy += sum(costs)
-    return 1.0 - busy / (timeline.cells * makespan) if makespan > 0 else 0.0
+    workers = max(_stage_workers(timeline)) + 1
+    return 1.0 - busy / (workers * makespan) if makespan > 0 else 0.0
 
 
 # -- printing ---------------------------------------------------------------------------------
 
 
 _COLUMNS = (
-    *("cell", "threads", "tasks", "compute/task", "overhead/task"),
+    *("worker", "cells", "threads", "tasks", "compute/task", "overhead/task"),
     *("compute", "recompute", "overhead", "idle"),
 )
 
@@ -278,15 +180,16 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def format_breakdown(cells: Sequence[CellBreakdown]) -> str:
-    """A table: per cell, its threads and tasks, compute and overhead per task, and the
-    shares of the step's makespan that went to compute, recompute, overhead and idle."""
+def format_breakdown(workers: Sequence[WorkerBreakdown]) -> str:
+    """A table: per worker, its cells, threads and tasks, compute and overhead per task, and
+    the shares of the step's makespan that went to compute, recompute, overhead and idle."""
     rows: list[tuple[str, ...]] = [_COLUMNS]
-    for c in cells:
+    for c in workers:
         tasks = max(1, c.tasks)
         rows.append(
             (
-                str(c.cell),
+                str(c.worker),
+                ",".join(map(str, c.cells)),
                 "default" if c.threads is None else str(c.threads),
                 str(c.tasks),
                 _ms((c.compute_s + c.recompute_s) / tasks),
@@ -304,10 +207,12 @@ def format_breakdown(cells: Sequence[CellBreakdown]) -> str:
     )
 
 
-def total_share(cells: Sequence[CellBreakdown], part: Callable[[CellBreakdown], float]) -> float:
-    """`part`'s share of all cells' time over the step."""
-    time_ = sum(c.makespan_s for c in cells)
-    return sum(part(c) for c in cells) / time_ if time_ > 0 else 0.0
+def total_share(
+    workers: Sequence[WorkerBreakdown], part: Callable[[WorkerBreakdown], float]
+) -> float:
+    """`part`'s share of all workers' time over the step."""
+    time_ = sum(c.makespan_s for c in workers)
+    return sum(part(c) for c in workers) / time_ if time_ > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -316,37 +221,46 @@ class Comparison:
 
     ratio: float  # gpipe_fast's throughput over the plain model's
     rival: str  # where the plain model ran, in words
-    plain_work_s: float  # the plain model's forward and backward of one step, timed alone
-    cells: Sequence[CellBreakdown]
-    on_cpu: bool  # the cells share one CPU's cores
+    plain_work_s: float  # the plain model's forward, loss and backward of one step, alone
+    workers: Sequence[WorkerBreakdown]
+    on_cpu: bool  # the workers share one CPU's cores
+
+    @property
+    def _noun(self) -> str:
+        """What shares the work: "cell", or "worker" when a worker runs several cells."""
+        return "cell" if all(len(w.cells) <= 1 for w in self.workers) else "worker"
+
+    def _per_worker(self) -> float:
+        work = sum(w.compute_s + w.recompute_s for w in self.workers)
+        return work / max(1, len(self.workers))
 
     def work_line(self) -> str:
-        compute = sum(c.compute_s for c in self.cells)
-        recompute = sum(c.recompute_s for c in self.cells)
-        per_cell = (compute + recompute) / max(1, len(self.cells))
+        compute = sum(w.compute_s for w in self.workers)
+        recompute = sum(w.recompute_s for w in self.workers)
         return (
             f"work of one step, timed alone: the plain model {_ms(self.plain_work_s)} "
             f"({self.rival}); the cells {_ms(compute)} + {_ms(recompute)} recompute, "
-            f"{_ms(per_cell)} per cell"
+            f"{_ms(self._per_worker())} per {self._noun}"
         )
 
     def _work_clause(self) -> str:
-        cells = self.cells
-        per_cell = sum(c.compute_s + c.recompute_s for c in cells) / max(1, len(cells))
-        recompute = total_share(cells, lambda c: c.recompute_s)
-        times = per_cell / self.plain_work_s if self.plain_work_s > 0 else math.inf
+        per_worker = self._per_worker()
+        recompute = total_share(self.workers, lambda w: w.recompute_s)
+        times = per_worker / self.plain_work_s if self.plain_work_s > 0 else math.inf
+        noun = self._noun
         return (
-            f"each cell's share of the work, timed alone, takes {_ms(per_cell)} ({times:.2f}x "
-            f"the plain model's {_ms(self.plain_work_s)}; the recompute of checkpointed "
-            f"micro-batches included, {recompute:.1%} of cell time)"
+            f"each {noun}'s share of the work, timed alone, takes {_ms(per_worker)} "
+            f"({times:.2f}x the plain model's {_ms(self.plain_work_s)}; the recompute of "
+            f"checkpointed micro-batches included, {recompute:.1%} of {noun} time)"
         )
 
     def _pipe_clause(self) -> str:
-        idle = total_share(self.cells, lambda c: c.idle_s)
-        overhead = total_share(self.cells, lambda c: c.overhead_s)
+        idle = total_share(self.workers, lambda w: w.idle_s)
+        overhead = total_share(self.workers, lambda w: w.overhead_s)
+        noun = self._noun
         return (
-            f"the time cells wait for each other (fill, drain, imbalance: {idle:.1%} of cell "
-            f"time) and overhead ({overhead:.1%})"
+            f"the time {noun}s wait for each other (fill, drain, imbalance: {idle:.1%} of "
+            f"{noun} time) and overhead ({overhead:.1%})"
         )
 
     def verdict(self) -> str:
@@ -356,8 +270,12 @@ class Comparison:
         fit = "pipelining pays off when a model does not fit one device"
         if self.ratio < 1.0:
             if self.on_cpu:
-                count = len(self.cells)
-                sharing = "Its one cell uses" if count == 1 else f"Its {count} cells share"
+                count = len(self.workers)
+                sharing = (
+                    f"Its one {self._noun} uses"
+                    if count == 1
+                    else f"Its {count} {self._noun}s share"
+                )
                 return (
                     f"{head.format('slower')}. {sharing} the cores that the plain model uses "
                     f"alone, so on one CPU a pipeline can at best match "
@@ -365,8 +283,7 @@ class Comparison:
                     f"speed-up on one CPU."
                 )
             return f"{head.format('slower')}: {work}, and the pipe adds {pipe}. {fit.capitalize()}."
-        per_cell = sum(c.compute_s + c.recompute_s for c in self.cells) / max(1, len(self.cells))
-        if per_cell >= self.plain_work_s:
+        if self._per_worker() >= self.plain_work_s:
             return (
                 f"verdict: gpipe_fast was faster in this run ({self.ratio:.2f}x the plain "
                 f"model), but the work timed alone does not explain it: {work}. The plain model "
@@ -375,29 +292,42 @@ class Comparison:
             )
         if not self.on_cpu:
             return (
-                f"{head.format('faster')}: {work}, the cells running at once on their devices; "
-                f"that outweighs {pipe}."
+                f"{head.format('faster')}: {work}, the {self._noun}s running at once on their "
+                f"devices; that outweighs {pipe}."
             )
         return (
-            f"{head.format('faster')}: {work}. A cell runs whole ops on threads of its own, "
-            f"where the plain model splits every op over all cores and waits for them each time "
-            f"(the more so when other work takes the cores); that outweighs {pipe}. The gain is "
-            f"in using the cores, not in pipelining: {fit}."
+            f"{head.format('faster')}: {work}. A {self._noun} runs whole ops on threads of its "
+            f"own, where the plain model splits every op over all cores and waits for them each "
+            f"time (the more so when other work takes the cores); that outweighs {pipe}. The "
+            f"gain is in using the cores, not in pipelining: {fit}."
         )
 
 
-def write_timeline(timeline: gf.Timeline, out: Path, trace_note: str) -> None:
-    """Writes the timeline's Chrome trace and, when matplotlib is installed, its picture to
-    `out`, printing where (`trace_note` follows the trace's path)."""
+_BROWSER = "open it in a web browser: a box's task shows on hover"
+
+
+def say(text: str) -> None:
+    """Prints a paragraph wrapped to 100 columns, its later lines indented (as the demo)."""
+    print(textwrap.fill(text, 100, subsequent_indent="  ", break_long_words=False,
+                        break_on_hyphens=False))  # fmt: skip
+
+
+def write_timeline(timeline: gf.Timeline, out: Path, trace_note: str) -> list[Path]:
+    """Writes the timeline's Chrome trace and its picture to `out`: an SVG always (nothing to
+    install), and a PNG too when matplotlib is installed. Prints where (`trace_note` follows
+    the trace's path) and returns the pictures' paths."""
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "timeline.trace.json"
     timeline.to_chrome_trace(trace)
     print(f"timeline trace: {trace} ({trace_note})")
+    pictures = [out / "timeline.svg"]
+    timeline.to_svg(pictures[0])
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("timeline picture: skipped, needs matplotlib (pip install matplotlib)")
-        return
-    picture = out / "timeline.png"
-    timeline.plot(picture)
-    print(f"timeline picture: {picture}")
+        say(f"timeline picture: {pictures[0]} ({_BROWSER}; with matplotlib, a PNG too)")
+        return pictures
+    pictures.append(out / "timeline.png")
+    timeline.plot(pictures[1])
+    say(f"timeline picture: {pictures[1]}, and {pictures[0]} ({_BROWSER})")
+    return pictures

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpipe_fast import _C
+from gpipe_fast.runtime import picture
 from gpipe_fast.schedule.registry import actions, communication_actions, ideal_bubble, schedule_kind
 
 # The runs of a step: pipe(x)'s forward, loss.backward()'s backward, or a train_step.
@@ -22,43 +23,6 @@ Clock = Literal["host", "cuda"]
 _CLOCKS: tuple[Clock, ...] = ("host", "cuda")
 
 _NS = 1e-9
-_LETTER = {
-    "forward": "F",
-    "recompute": "R",
-    "backward": "B",
-    "backward_input": "I",
-    "backward_weight": "W",
-    "loss": "L",
-    "copy": "C",
-    "send_forward": "sF",
-    "recv_forward": "rF",
-    "send_backward": "sB",
-    "recv_backward": "rB",
-    "reduce_grad": "AR",
-    "send_skips": "sS",
-    "recv_skips": "rS",
-    "send_skip_grads": "sG",
-    "recv_skip_grads": "rG",
-}
-_COLOUR = {
-    "forward": "#4c72b0",
-    "recompute": "#dd8452",
-    "backward": "#55a868",
-    "backward_input": "#55a868",
-    "backward_weight": "#8fd19e",
-    "loss": "#c44e52",
-    "copy": "#8172b3",
-    "send_forward": "#8c8c8c",
-    "recv_forward": "#b3b3b3",
-    "send_backward": "#6e6e6e",
-    "recv_backward": "#a0a0a0",
-    "reduce_grad": "#8172b3",
-    "send_skips": "#937860",
-    "recv_skips": "#c9a98c",
-    "send_skip_grads": "#7a6350",
-    "recv_skip_grads": "#b89878",
-}
-_OTHER_COLOUR = "#937860"
 
 
 @dataclass(frozen=True)
@@ -276,7 +240,7 @@ class Timeline:
 
     def label(self, span: TaskSpan) -> str:
         """The span's name in pictures and traces: action letter, stage.micro-batch."""
-        return f"{_LETTER.get(span.kind, span.kind[:1].upper())}{span.cell}.{span.microbatch}"
+        return picture.label(span)
 
     def row_name(self, worker: int) -> str:
         if self.row_names:
@@ -312,6 +276,7 @@ class Timeline:
                         "kind": span.kind,
                         "phase": span.phase,
                         "task": span.task,
+                        "description": picture.hover(self, span),
                         **({"clock": self.clocks[span.row]} if self.clocks else {}),
                     },
                 }
@@ -320,98 +285,21 @@ class Timeline:
         Path(path).write_text(json.dumps(trace, indent=None) + "\n")
 
     def plot(self, path: str | Path) -> None:
-        """Draws the timeline as a PNG: one row per worker, tasks coloured by action with
-        their stage and micro-batch ("F2.5": forward of cell 2 on micro-batch 5), idle time
-        as bare row. Needs matplotlib (``gpipe_fast[plot]``)."""
-        try:
-            from matplotlib.figure import Figure
-            from matplotlib.patches import Patch
-        except ImportError as error:
-            raise ImportError(
-                "Timeline.plot needs matplotlib: pip install matplotlib "
-                "(or pip install 'gpipe_fast[plot]')"
-            ) from error
+        """Draws the timeline as a PNG: one row per worker, each task a box coloured by its
+        action and labelled, where it fits, with its stage and micro-batch ("F2.5": forward
+        of cell 2 on micro-batch 5); a receive, mostly a wait for its data, hatched as idle;
+        the legend grouped as compute, communication and idle. Needs matplotlib
+        (``gpipe_fast[plot]``); :meth:`to_svg` draws the same with nothing to install."""
+        from gpipe_fast.runtime.plot import plot
 
-        end = max((s.end_s for s in self.spans), default=0.0)
-        scale = 1e3  # milliseconds on the axis
-        rows = self.rows
-        kinds = list(dict.fromkeys(s.kind for s in sorted(self.spans, key=lambda s: s.task)))
-        handles = [
-            Patch(
-                facecolor=_COLOUR.get(kind, _OTHER_COLOUR),
-                label=f"{_LETTER.get(kind, kind[:1].upper())}: {kind.replace('_', ' ')}",
-            )
-            for kind in kinds
-        ]
-        handles.append(Patch(facecolor="#eeeeee", label="idle"))
-        if self.gap_s > 0:
-            handles.append(
-                Patch(facecolor="none", edgecolor="#999999", hatch="//", label="caller (loss)")
-            )
-        # Tall enough for every row, and for the legend beside them (about 0.2 in an entry).
-        figure = Figure(
-            figsize=(12, max(1.4 + 0.55 * rows, 0.9 + 0.2 * len(handles))), layout="constrained"
-        )
-        axes = figure.add_subplot()
-        height = 0.8
-        fontsize = 7 if self.microbatches < 10 else 5
-        # A label fits a block when its text (about 0.6 em a character, on ~690 points of
-        # axis) is narrower than the block; narrower blocks carry none.
-        per_char = end * 0.6 * fontsize / 690
-        for worker in range(rows):
-            y = rows - 1 - worker  # worker 0 on top
-            axes.broken_barh(
-                [(0, end * scale)], (y - height / 2, height), facecolors="#eeeeee", zorder=0
-            )
-            for span in (s for s in self.spans if s.row == worker):
-                axes.broken_barh(
-                    [(span.start_s * scale, span.duration_s * scale)],
-                    (y - height / 2, height),
-                    facecolors=_COLOUR.get(span.kind, _OTHER_COLOUR),
-                    edgecolors="white",
-                    linewidth=0.5,
-                    zorder=2,
-                )
-                label = self.label(span)
-                if span.duration_s >= per_char * (len(label) + 1):
-                    axes.text(
-                        (span.start_s + span.duration_s / 2) * scale,
-                        y,
-                        label,
-                        ha="center",
-                        va="center",
-                        color="white",
-                        fontsize=fontsize,
-                        zorder=3,
-                    )
-        if self.gap_s > 0:
-            gap_start = self.phase_window("forward")[1]
-            axes.axvspan(
-                gap_start * scale,
-                (gap_start + self.gap_s) * scale,
-                facecolor="none",
-                edgecolor="#999999",
-                hatch="//",
-                zorder=1,
-            )
-        axes.set_yticks(range(rows))
-        axes.set_yticklabels([self.row_name(rows - 1 - y) for y in range(rows)])
-        axes.set_ylim(-0.6, rows - 0.4)
-        axes.set_xlim(0, end * scale if end > 0 else 1)
-        axes.set_xlabel("time since the step's first task (ms); boxes: action cell.micro-batch")
-        axes.set_title(
-            f"gpipe_fast {self.schedule} step: {self.cells} cells on {rows} workers, "
-            f"M={self.microbatches} micro-batches; bubble measured {self.bubble():.1%}, "
-            f"ideal {self.ideal_bubble:.1%}"
-        )
-        axes.legend(
-            handles=handles,
-            loc="upper left",
-            bbox_to_anchor=(1.0, 1.0),
-            frameon=False,
-            fontsize=8,
-        )
-        figure.savefig(path, dpi=120)
+        plot(self, path)
+
+    def to_svg(self, path: str | Path) -> None:
+        """Writes the picture of :meth:`plot` as SVG, without matplotlib; a web browser shows
+        each box's task in words (action, cell, micro-batch, times, worker) on hover."""
+        from gpipe_fast.runtime.svg import to_svg
+
+        to_svg(self, path)
 
 
 def _clock(name: str) -> Clock:
