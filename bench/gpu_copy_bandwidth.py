@@ -146,7 +146,7 @@ def _sleep_cycles_per_second(device: torch.device) -> float:
     start.record(stream)
     torch.cuda._sleep(cycles)
     end.record(stream)
-    end.harness.synchronize()
+    end.synchronize()
     return cycles / (start.elapsed_time(end) / 1e3)
 
 
@@ -188,7 +188,7 @@ def time_copies(
             end.record(stream)
             pending.append((name, start, end, host_s))
         if stream is not None:
-            stream.harness.synchronize()  # one round at a time keeps the queue short
+            stream.synchronize()  # one round at a time keeps the queue short
             for name, start, end, host_s in pending:
                 samples[name].append(
                     {
@@ -283,7 +283,7 @@ def measure(device: torch.device, cfg: Config) -> harness.Section:
                 try:
                     launch()
                     if stream is not None:
-                        stream.harness.synchronize()
+                        stream.synchronize()
                 except Exception as error:
                     fail(name, error)
                     del launchers[name]
