@@ -135,7 +135,9 @@ class RaiseInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
-        raise ctx.error
+        # Handed over, not kept: the error's traceback holds this graph, which holds ctx.
+        error, ctx.error = ctx.error, None
+        raise error
 
 
 def device_sleep_cycles(ms: float) -> tuple[int, float]:

@@ -1,16 +1,21 @@
 """Fault injection: an exception planted in any cell, micro-batch and pass (forward, recompute,
 backward, the boundary copy) reaches the caller with its type and whereabouts, no worker is
 left waiting, and the next step on the same pipe gives the unpartitioned module's gradients.
-Ctrl-C (SIGINT) during a long step stops it the same way."""
+Ctrl-C (SIGINT) during a long step stops it the same way. A failed step's activations are
+freed with its error (an out-of-memory error in recompute kept a GPU's whole batch)."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 import subprocess
 import sys
 import textwrap
 import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +115,29 @@ def _check_recovers(pipe: gf.GPipe, module: nn.Sequential, x: torch.Tensor, work
     assert native_threads("gpipe-cell") == workers  # no worker lost or added
 
 
+@contextmanager
+def _activations(module: nn.Module) -> Iterator[list[weakref.ref[torch.Tensor]]]:
+    """Weak references to every layer output computed inside the block."""
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def keep(_layer: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        made.append(weakref.ref(output))
+
+    hooks = [layer.register_forward_hook(keep) for layer in module.modules()]
+    try:
+        yield made
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _check_freed(made: list[weakref.ref[torch.Tensor]]) -> None:
+    """Once the caller has let go of the error, nothing of the failed step is alive."""
+    gc.collect()
+    alive = sum(ref() is not None for ref in made)
+    assert made and alive == 0, f"{alive} of {len(made)} activations of the failed step alive"
+
+
 def _cases() -> list[tuple[int, int, str, str]]:
     cases = []
     for cell, m, where, checkpoint in itertools.product(
@@ -132,11 +160,14 @@ def test_fault_in_a_cell_reaches_caller_and_pipe_recovers(
     pipe_run(pipe, module, x)  # the workers exist, and their Python state
     workers = native_threads("gpipe-cell")
     faults.target = (cell, m, where)
-    with no_hang(), pytest.raises(PlantedError) as caught:
+    out = None
+    with _activations(module) as made, no_hang(), pytest.raises(PlantedError) as caught:
         out = pipe(x.clone().requires_grad_())
         assert where != "forward", "the forward fault did not fire"
         out.sum().backward()
     _check_error(caught.value, cell, m, f"{where} pass", f"planted in the {where}")
+    del caught, out
+    _check_freed(made)
     faults.target = None
     _check_recovers(pipe, module, x, workers)
 
@@ -413,9 +444,11 @@ def test_fault_in_a_train_step_action_reaches_caller_and_pipe_recovers(
         hook = module[3 * cell].inner.weight.register_hook(raise_at_m)
     else:
         faults.target = (cell, m, "backward" if where == "backward_input" else where)
-    with no_hang(), pytest.raises(PlantedError) as caught:
+    with _activations(module) as made, no_hang(), pytest.raises(PlantedError) as caught:
         pipe.train_step(x, x, loss_fn)
     _check_error(caught.value, cell, m, f"{where} pass", f"planted in the {where.split('_')[0]}")
+    del caught
+    _check_freed(made)
     faults.target = None
     if hook is not None:
         hook.remove()

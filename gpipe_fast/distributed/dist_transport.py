@@ -278,6 +278,12 @@ class DistTransport:
             self.guard.wait(requests, f"{what} to be received", peer)
         self.sends.clear()
 
+    def discard(self) -> None:
+        # The outboxes hold what was never sent; `sends` stays: its buffers are in flight.
+        self.local.discard()
+        self.outbox.clear()
+        self.skip_outbox.clear()
+
     def pending(self) -> int:
         return self.local.pending() + len(self.outbox) + len(self.skip_outbox)
 

@@ -79,6 +79,14 @@ class StepContext:
         self.loss_scale: Tensor | None = None
         self.losses: list[Tensor | None] = [None] * count
 
+    def release(self) -> None:
+        """Drops the step's per-micro-batch values and what its transport holds (after a
+        failed step; Stage.release says why)."""
+        self.input_grads = [None] * self.count
+        self.losses = [None] * self.count
+        self.targets = []
+        self.transport.discard()
+
     def set_loss(
         self,
         loss_fn: LossFn,

@@ -75,8 +75,13 @@ class Runner:
                 # error does: the task's error is the step's.
                 own = step.own_error
                 if own is None:
+                    step.release()
                     raise
+            except BaseException:
+                step.release()
+                raise
             if own is not None:
+                step.release()
                 raise own
             if step.spans is not None and self.recording:
                 step.spans[phase] = (schedule, self.executor.last_spans())

@@ -124,6 +124,19 @@ class Stage:
         self.skips_in: list[dict[SkipKey, Tensor | None] | None] = [None] * count
         self.skips_out: list[dict[SkipKey, Tensor | None] | None] = [None] * count
 
+    def release(self) -> None:
+        """Drops every micro-batch's stashed values (after a failed step). They hold their
+        graphs, whose nodes hold the step: a cycle through autograd's C++ nodes that Python's
+        collector cannot see, so a failed step's activations would otherwise stay allocated
+        for good (an out-of-memory error in recompute kept the whole batch's)."""
+        count = self.step.count
+        self.inputs = [None] * count
+        self.outputs = [None] * count
+        self.boundaries = [None] * count
+        self.weight_roots = [None] * count
+        self.skips_in = [None] * count
+        self.skips_out = [None] * count
+
     # -- actions ---------------------------------------------------------------------------
 
     def forward(self, m: int) -> None:

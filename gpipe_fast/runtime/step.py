@@ -143,6 +143,18 @@ class Step:
             self.report(error)
             raise
 
+    def release(self) -> None:
+        """Drops everything the step's micro-batches left behind, once it has failed: their
+        activations and graphs are freed with the error, not kept with the step."""
+        for stage in self.stages:
+            if stage is not None:
+                stage.release()
+        self.context.release()
+        self.own_error = None  # its traceback's frames hold the step and their tensors
+        self.first_input = None
+        self.gathered = ()
+        self.exit_grads = None
+
     def check_backward_once(self) -> None:
         if self.backward_done:
             raise RuntimeError(

@@ -83,6 +83,11 @@ class LocalTransport:
     def finish(self) -> None:
         pass
 
+    def discard(self) -> None:
+        """Forgets the values sent and not received (a failed step's: nobody will)."""
+        self.mailbox.clear()
+        self.skips.clear()
+
     def pending(self) -> int:
         """Values sent and not received (0 after a complete step)."""
         return len(self.mailbox) + len(self.skips)

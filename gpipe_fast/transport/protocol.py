@@ -76,5 +76,9 @@ class Transport(Protocol):
     def finish(self) -> None:
         """At the step's end: waits until everything sent has left."""
 
+    def discard(self) -> None:
+        """After a failed step: forgets the values sent and not received, which nobody
+        will take (sends already under way are left to finish)."""
+
     def pending(self) -> int:
         """Values sent and not yet received (0 after a complete step)."""
