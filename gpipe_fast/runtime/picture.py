@@ -1,5 +1,6 @@
-"""What a timeline picture shows, whoever draws it: each box's style, label and hover text,
-the legend's groups and the title (the PNG of Timeline.plot and the SVG of Timeline.to_svg)."""
+"""What a timeline picture shows, whoever draws it (Timeline.plot's PNG, Timeline.to_svg).
+
+Each box's style, label and hover text, the legend's groups and the title."""
 
 from __future__ import annotations
 

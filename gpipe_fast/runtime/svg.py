@@ -1,5 +1,6 @@
-"""Timeline.to_svg: the timeline as an SVG picture, with nothing to install; a browser shows
-each box's task in words when the pointer rests on it."""
+"""Timeline.to_svg: the timeline as an SVG picture, with nothing to install.
+
+A browser shows each box's task in words when the pointer rests on it."""
 
 from __future__ import annotations
 
