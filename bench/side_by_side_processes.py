@@ -111,8 +111,7 @@ def _torch(name: str, rank: int, width: int, chunks: int, x: Any, y: Any) -> Any
     per = BLOCKS // count
     model = build_model(width)
     pipeline_stages = [
-        PipelineStage(model[per * s : per * (s + 1)], s, count, torch.device("cpu"))
-        for s in stages
+        PipelineStage(model[per * s : per * (s + 1)], s, count, torch.device("cpu")) for s in stages
     ]
     params = [p for stage in pipeline_stages for p in stage.submod.parameters()]
     opt = torch.optim.SGD(params, lr=LR)

@@ -2,6 +2,7 @@
 no host synchronisation in a step, and stream ordering that a device-side sleep (calibrated
 per GPU, with a control showing it exposes a missing wait) would expose. Skipped without a
 GPU (first run on one H200, 2026-11-26: bench/README.md)."""
+
 from __future__ import annotations
 
 import pytest

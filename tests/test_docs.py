@@ -16,7 +16,7 @@ DOCS = ROOT / "docs"
 
 # The exact lines .ci/run greps out of README.md (its two regular expressions).
 CI_LINES = (
-    r'^pip install \. && python -m gpipe_fast demo$',
+    r"^pip install \. && python -m gpipe_fast demo$",
     r'^pip install "\.\[test\]" && pytest$',
 )
 

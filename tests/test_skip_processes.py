@@ -126,8 +126,13 @@ PAIRED = (("send_skips", "recv_skips"), ("send_skip_grads", "recv_skip_grads"))
 
 
 def _messages(
-    program: Any, worker_rank: list[int], rank_of: list[int], skips: list[tuple[int, int]],
-    action: str, here: int, there: int,
+    program: Any,
+    worker_rank: list[int],
+    rank_of: list[int],
+    skips: list[tuple[int, int]],
+    action: str,
+    here: int,
+    there: int,
 ) -> list[tuple[int, int, int]]:
     """The skip messages between ranks `here` and `there`, as (stash, pop, micro-batch), in
     the order rank `here`'s tasks of `action` send or receive them (a task carries one
