@@ -41,12 +41,85 @@ def gpt2() -> nn.Module:
     return GPT2LMHeadModel(config).double()
 
 
+def qwen2() -> nn.Module:
+    """Qwen2ForCausalLM (Mistral's layout: GQA, rotary, biases on q, k, v)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                         num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).double()
+
+
+def bert() -> nn.Module:
+    """BertForMaskedLM: a padding attention mask, the decoder tied to the word embeddings."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=BLOCKS,
+                        num_attention_heads=4, intermediate_size=2 * WIDTH,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        max_position_embeddings=32)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return BertForMaskedLM(config).double()
+
+
+def t5() -> nn.Module:
+    """T5ForConditionalGeneration: `shared` embeds the encoder's and the decoder's inputs
+    (and ties the head), the encoder's output reaches every decoder layer."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=4, d_ff=2 * WIDTH, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config).double()
+
+
+class VisionNet(nn.Module):
+    """A convolutional net written in torch.nn: BatchNorm, and a skip from the stem to the
+    third block added in the net's own forward (across stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            for _ in range(BLOCKS)
+        )
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        first = hidden = self.stem(pixels)
+        for i, block in enumerate(self.blocks):
+            hidden = block(hidden)
+            if i == 2:
+                hidden = hidden + first
+        return self.head(hidden.mean((2, 3)))
+
+
+def vision() -> nn.Module:
+    torch.manual_seed(0)
+    return VisionNet().double().eval()  # BatchNorm on running statistics: exact per sample
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "gpt2": gpt2}
-BLOCK_NAMES = {"llama": "model.layers", "gpt2": "transformer.h"}
+MORE_MODELS: dict[str, Callable[[], nn.Module]] = {
+    "qwen2": qwen2, "bert": bert, "t5": t5, "vision": vision,
+}  # fmt: skip
+BLOCK_NAMES = {
+    "llama": "model.layers", "gpt2": "transformer.h", "qwen2": "model.layers",
+    "bert": "bert.encoder.layer", "vision": "blocks",
+}  # fmt: skip
 
 
 def split_points(name: str, stages: int) -> list[str]:
-    """Split points giving `stages` stages of the blocks (2: in the middle; 4: one each)."""
+    """Split points giving `stages` stages of the blocks (2: in the middle; 4: one each; T5's
+    3: in the encoder and in the decoder)."""
+    if name == "t5":
+        return ["encoder.block.1", "decoder.block.0"]
     blocks = BLOCK_NAMES[name]
     return [f"{blocks}.2"] if stages == 2 else [f"{blocks}.{i}" for i in range(1, BLOCKS)]
 
@@ -55,12 +128,43 @@ def tokens(size: int, length: int, step: int) -> Tensor:
     return torch.randint(0, VOCAB, (size, length), generator=torch.Generator().manual_seed(step))
 
 
-def lm_loss(output: Any, target: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(output.logits.reshape(-1, VOCAB), target.reshape(-1))
+def inputs(name: str, size: int, length: int, step: int) -> dict[str, Tensor]:
+    """A batch of the model's inputs (its loss's target: `targets`)."""
+    if name == "vision":
+        generator = torch.Generator().manual_seed(step)
+        return {"pixels": torch.randn(size, 3, length, length, generator=generator,
+                                      dtype=torch.float64)}  # fmt: skip
+    ids = tokens(size, length, step)
+    if name == "bert":  # padding at the ends of some sequences
+        mask = torch.ones_like(ids)
+        mask[::2, length // 2 :] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    if name == "t5":
+        return {"input_ids": ids, "labels": ids.flip(1)}
+    return {"input_ids": ids}
 
 
-def relative(got: Tensor, want: Tensor) -> float:
-    scale = want.norm().item()
+def targets(name: str, batch: dict[str, Tensor]) -> Tensor:
+    if name == "vision":
+        return batch["pixels"].sum((1, 2, 3)).remainder(VOCAB).long()
+    return batch.get("labels", batch["input_ids"])
+
+
+def any_loss(output: Any, target: Tensor) -> Tensor:
+    """Cross entropy of the logits in the model's dtype (transformers' own loss is float32)."""
+    logits = output if isinstance(output, Tensor) else output.logits
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def make_model(name: str) -> nn.Module:
+    return {**MODELS, **MORE_MODELS}[name]()
+
+
+def relative(got: Tensor, want: Tensor, floor: float = 0.0) -> float:
+    """|got - want| / |want|, with |want| at least `floor`: a gradient that is zero in exact
+    arithmetic (an attention key's bias: softmax ignores what it adds to every logit) is
+    rounding noise whose relative error means nothing."""
+    scale = max(want.norm().item(), floor)
     return (got - want).norm().item() / scale if scale else (got - want).norm().item()
 
 
@@ -74,32 +178,35 @@ def train_against_plain(
     """SGD steps of batches of `shapes` ((batch, length) each) through the pipe and the plain
     model side by side: per step both losses and this process's worst relative gradient
     error; then its worst parameter error, and the names it compared."""
-    model = MODELS[name]()
+    model = make_model(name)
     plain = copy.deepcopy(model)
-    example = {"input_ids": tokens(2, shapes[0][1], 99)}
-    pipe = make_pipe(model, example)
+    pipe = make_pipe(model, inputs(name, 2, shapes[0][1], 99))
     try:
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
         plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
         reference = dict(plain.named_parameters(remove_duplicate=False))
         steps, names = [], set()
         for step, (size, length) in enumerate(shapes):
-            ids = tokens(size, length, step)
+            batch = inputs(name, size, length, step)
+            target = targets(name, batch)
             optimizer.zero_grad(set_to_none=True)
             plain_optimizer.zero_grad(set_to_none=True)
-            share = ids.tensor_split(replicas)[replica]
-            loss = pipe.train_step({"input_ids": share}, share, lm_loss)
-            plain_loss = lm_loss(plain(input_ids=ids), ids)
+            share = {key: value.tensor_split(replicas)[replica] for key, value in batch.items()}
+            loss = pipe.train_step(share, target.tensor_split(replicas)[replica], any_loss)
+            plain_loss = any_loss(plain(**batch), target)
             plain_loss.backward()
             worst = 0.0
+            scale = torch.stack([p.grad.norm() for p in plain.parameters() if p.grad is not None])
+            floor = 1e-6 * scale.norm().item()
             for key, param in pipe.named_parameters(remove_duplicate=False):
-                worst = max(worst, relative(param.grad, reference[key].grad))
+                worst = max(worst, relative(param.grad, reference[key].grad, floor))
                 names.add(key)
             steps.append({"loss": None if loss is None else loss.item(),
                           "plain": plain_loss.item(), "grad_error": worst})  # fmt: skip
             optimizer.step()
             plain_optimizer.step()
-        params = max(relative(p, reference[k]) for k, p in pipe.named_parameters())
+        floor = 1e-6 * torch.stack([p.norm() for p in plain.parameters()]).norm().item()
+        params = max(relative(p, reference[k], floor) for k, p in pipe.named_parameters())
         keys = sorted(pipe.state_dict())
     finally:
         pipe.close()

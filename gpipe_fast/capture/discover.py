@@ -24,7 +24,7 @@ from torch.nn.modules import module as torch_module
 from torch.overrides import TorchFunctionMode
 
 from gpipe_fast.capture.dispatch import installed, viewing
-from gpipe_fast.capture.plan import Call, Plan, Route
+from gpipe_fast.capture.plan import Call, Plan, Route, Site
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # a forward's (args, kwargs)
 
@@ -59,15 +59,23 @@ class _Event:
 
 @dataclass
 class _Recorder:
+    """Module calls of the model's modules (a loss module the forward makes as it goes, say,
+    is not one: its call is glue like any function's)."""
+
+    modules: set[int]
     events: list[_Event] = field(default_factory=list)
     stack: list[int] = field(default_factory=list)
 
     def pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) not in self.modules:
+            return
         parent = self.stack[-1] if self.stack else None
         self.events.append(_Event(module, len(self.events), parent))
         self.stack.append(len(self.events) - 1)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in self.modules:
+            return
         index = self.stack.pop()
         event = self.events[index]
         event.end = len(self.events) - 1
@@ -76,7 +84,7 @@ class _Recorder:
 
 def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:
     """Every module call of one forward, in order, with what each returned."""
-    recorder = _Recorder()
+    recorder = _Recorder({id(m) for m in model.modules()})
     pre = torch_module.register_module_forward_pre_hook(recorder.pre)
     post = torch_module.register_module_forward_hook(recorder.post, always_call=True)
     try:
@@ -173,12 +181,17 @@ def _atoms(
 
 
 class _Dependencies(TorchFunctionMode):
-    """Follows which stages each tensor of the glue derives from: an op's outputs derive
-    from whatever its inputs did (atoms' outputs are marked by the caller)."""
+    """Follows which stages each tensor of the glue derives from (an op's outputs derive from
+    whatever its inputs did; atoms' outputs are marked by the caller), and where each was
+    made: its site and, for a glue op's output, that op's input tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: Callable[[], int]) -> None:
         super().__init__()
         self._of: dict[int, tuple[weakref.ref[Tensor], frozenset[int]]] = {}
+        self._made: dict[int, tuple[Tensor, Site, list[Tensor]]] = {}
+        self.ops = 0  # the glue's torch calls so far (counted alike when the stages run)
+        self.calls_before_op: dict[int, int] = {}
+        self._calls = calls
 
     def of(self, tensor: Tensor) -> frozenset[int]:
         found = self._of.get(id(tensor))
@@ -186,47 +199,96 @@ class _Dependencies(TorchFunctionMode):
             return frozenset()
         return found[1]
 
-    def mark(self, tree: Any, stages: frozenset[int]) -> None:
-        for leaf in pytree.tree_leaves(tree):
-            if isinstance(leaf, Tensor) and stages:
+    def made(self, tensor: Tensor) -> tuple[Site, list[Tensor]] | None:
+        found = self._made.get(id(tensor))
+        return None if found is None or found[0] is not tensor else found[1:]
+
+    def mark(self, tree: Any, stages: frozenset[int], site: tuple[str, int] | None = None,
+             inputs: list[Tensor] | None = None) -> None:  # fmt: skip
+        for j, leaf in enumerate(pytree.tree_leaves(tree)):
+            if not isinstance(leaf, Tensor):
+                continue
+            if stages:
                 self._of[id(leaf)] = (weakref.ref(leaf), stages | self.of(leaf))
+            if site is not None:  # the latest: an atom may return its input (dropout p=0)
+                self._made[id(leaf)] = (leaf, (site[0], site[1], j), inputs or [])
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        stages = frozenset().union(
-            *(self.of(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor))
-        )
-        if stages:
-            self.mark(out, stages)
+        op = self.ops
+        self.ops += 1
+        self.calls_before_op[op] = self._calls()
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        stages = frozenset().union(*(self.of(t) for t in inputs))
+        self.mark(out, stages, ("op", op), inputs)
         return out
 
 
 class _Follow:
     """The second run's view: each atom call returns what it returned in the first run, and
-    its arguments' stages make the plan's routes."""
+    what the stages need of each other makes the plan's routes."""
 
-    def __init__(self, atoms: list[_Event], stages: list[int], names: dict[int, str],
-                 deps: _Dependencies, count: int) -> None:  # fmt: skip
-        self.atoms, self.stages, self.names, self.deps = atoms, stages, names, deps
+    def __init__(
+        self, atoms: list[_Event], stages: list[int], names: dict[int, str], count: int
+    ) -> None:
+        self.atoms, self.stages, self.names, self.count = atoms, stages, names, count
+        self.deps = _Dependencies(lambda: len(self.calls))
         self.calls: list[Call] = []
         self.routes: dict[str, Route] = {}
-        self._by_tensor: dict[int, tuple[weakref.ref[Tensor], str]] = {}
-        self.count = count
+        self._by_tensor: dict[int, tuple[Tensor, str]] = {}
 
-    def route_of(self, leaf: Tensor, producer: int, call: int, index: int) -> str:
-        """The route of `leaf` (one per tensor, however many calls take it); a new one is
-        captured here, at its first appearance as an argument."""
+    def need(
+        self, leaf: Tensor, consumer: int, site: Site, what: str, seen: set[int] | None = None
+    ) -> None:
+        """`consumer` uses `leaf` at `site`: where another stage computes it, a route takes it
+        there; where it combines several stages' values, the consumer computes it from
+        routed ingredients."""
+        seen = set() if seen is None else seen
+        if id(leaf) in seen:
+            return
+        seen.add(id(leaf))
+        stages = self.deps.of(leaf)
+        foreign = stages - {consumer}
+        if not foreign:
+            return
+        if len(stages) == 1:
+            (producer,) = foreign
+            self._route(leaf, producer, consumer, site)
+            return
+        made = self.deps.made(leaf)
+        if made is None or made[0][0] != "op":
+            raise ValueError(
+                f"gpipe_fast.pipeline: {what} (stage {consumer}) combines values of stages "
+                f"{sorted(stages)} where no single operation does; move the split points so "
+                "that one stage computes it"
+            )
+        for ingredient in made[1]:  # this stage computes it from what it is made of
+            ingredient_made = self.deps.made(ingredient)
+            if ingredient_made is not None and len(self.deps.of(ingredient) - {consumer}):
+                self.need(ingredient, consumer, ingredient_made[0], what, seen)
+
+    def _route(self, leaf: Tensor, producer: int, consumer: int, site: Site) -> None:
+        """The route of `leaf` (one per tensor, however many stages and sites take it),
+        captured where it was made (an atom's output, a glue op's) or at its first use."""
         found = self._by_tensor.get(id(leaf))
-        if found is not None and found[0]() is leaf:
-            return found[1]
-        key = f"v{len(self.routes)}"
-        self.routes[key] = Route(key, producer, set(), leaf.is_floating_point())
-        self._by_tensor[id(leaf)] = (weakref.ref(leaf), key)
-        self.calls[call].sends[index] = key
-        return key
+        if found is not None and found[0] is leaf:
+            route = self.routes[found[1]]
+        else:
+            made = self.deps.made(leaf)
+            capture = made[0] if made is not None else site
+            route = Route(f"v{len(self.routes)}", producer, leaf.is_floating_point(), capture)
+            self.routes[route.key] = route
+            self._by_tensor[id(leaf)] = (leaf, route.key)
+        made = self.deps.made(leaf)
+        # Put where it was last made (an atom passing its input on makes it again there; on
+        # the consumer that atom returns a placeholder), or where it is used.
+        deliver = site if made is None else made[0]
+        sites = route.deliver.setdefault(consumer, [])
+        if deliver not in sites:
+            sites.append(deliver)
 
     def __call__(
         self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -238,27 +300,13 @@ class _Follow:
                 "on a second run with the same inputs (its control flow is not repeatable)"
             )
         stage = self.stages[i]
-        self.calls.append(Call(i, self.names[id(module)], stage))
-        leaves = pytree.tree_leaves((args, kwargs))
-        for j, leaf in enumerate(leaves):
-            if not isinstance(leaf, Tensor):
-                continue
-            others = self.deps.of(leaf) - {stage}
-            if not others:
-                continue
-            if len(others) > 1 or stage in self.deps.of(leaf):
-                raise ValueError(
-                    f"gpipe_fast.pipeline: argument {j} of {self.names[id(module)]!r} (stage "
-                    f"{stage}) combines values of stages {sorted(self.deps.of(leaf))} in the "
-                    "model's own code between modules; move the split points so that one "
-                    "stage computes it"
-                )
-            (producer,) = others
-            key = self.route_of(leaf, producer, i, j)
-            self.routes[key].consumers.add(stage)
-            self.calls[i].receives[j] = key
+        name = self.names[id(module)]
+        self.calls.append(Call(i, name, stage))
+        for j, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
+            if isinstance(leaf, Tensor):
+                self.need(leaf, stage, ("arg", i, j), f"argument {j} of {name!r}")
         output = self.atoms[i].output
-        self.deps.mark(output, frozenset({stage}))
+        self.deps.mark(output, frozenset({stage}), ("out", i))
         return output
 
 
@@ -280,11 +328,11 @@ def discover(model: nn.Module, example: Any, split_points: list[str]) -> Plan:
         stages = [bisect.bisect_right(starts, s) for s in atom_starts]
         atoms = [events[s] for s in atom_starts]
         _check_glue_owns_nothing(model, glue, names)
-        deps = _Dependencies()
-        follow = _Follow(atoms, stages, names, deps, len(starts) + 1)
+        follow = _Follow(atoms, stages, names, len(starts) + 1)
         atom_modules = {id(a.module): a.module for a in atoms}
-        with installed(atom_modules.values()), viewing(follow), deps, torch.no_grad():
-            output = model(*fake((args, kwargs))[0], **fake((args, kwargs))[1])
+        fake_args, fake_kwargs = fake((args, kwargs))
+        with installed(atom_modules.values()), viewing(follow), follow.deps, torch.no_grad():
+            output = model(*fake_args, **fake_kwargs)
         if len(follow.calls) != len(atoms):
             raise RuntimeError("gpipe_fast.pipeline: the second run called fewer modules")
         plan = _plan(follow, stages, len(starts) + 1, args, kwargs)
@@ -294,7 +342,7 @@ def discover(model: nn.Module, example: Any, split_points: list[str]) -> Plan:
         sorted({c.fqn for c in plan.calls if c.stage == k}, key=order.__getitem__)
         for k in range(plan.stages)
     ]  # in the model's order, so that the pipe lists its parameters as the model does
-    _finish(plan)
+    _finish(plan, follow.deps.calls_before_op)
     return plan
 
 
@@ -325,54 +373,35 @@ def _plan(follow: _Follow, stages: list[int], count: int, args: tuple[Any, ...],
         )
     plan = Plan(count, follow.calls, follow.routes, tensor_inputs, constants, len(args))
     for name in tensor_inputs:  # every stage runs the forward on its micro-batch's inputs
-        floating = inputs[name].is_floating_point()
-        plan.routes[plan.input_key(name)] = Route(
-            plan.input_key(name), 0, set(range(1, count)), floating
-        )
+        key = plan.input_key(name)
+        route = Route(key, 0, inputs[name].is_floating_point(), ("input", -1, -1))
+        route.deliver = {k: [] for k in range(1, count)}
+        plan.routes[key] = route
     return plan
 
 
 def _route_output(plan: Plan, follow: _Follow, output: Any) -> None:
-    """The output's leaves that another stage than the last computes: routed to the last,
-    captured on their producer at the end of its forward."""
+    """The output's leaves that another stage than the last computes reach the last one."""
     last = plan.stages - 1
     for j, leaf in enumerate(pytree.tree_leaves(output)):
-        if not isinstance(leaf, Tensor):
-            continue
-        others = follow.deps.of(leaf) - {last}
-        if not others:
-            continue
-        if len(others) > 1 or last in follow.deps.of(leaf):
-            raise ValueError(
-                f"gpipe_fast.pipeline: leaf {j} of the model's output combines values of stages "
-                f"{sorted(follow.deps.of(leaf))}; move the split points so that one computes it"
-            )
-        (producer,) = others
-        found = follow._by_tensor.get(id(leaf))
-        if found is not None and found[0]() is leaf:
-            key = found[1]
-        else:
-            key = f"v{len(plan.routes)}"
-            plan.routes[key] = Route(key, producer, set(), leaf.is_floating_point(), at_end=True)
-            plan.output_sends[j] = key
-        plan.routes[key].consumers.add(last)
-        plan.output_receives[j] = key
+        if isinstance(leaf, Tensor):
+            follow.need(leaf, last, ("end", -1, j), f"leaf {j} of the model's output")
 
 
-def _finish(plan: Plan) -> None:
-    """Each stage's last call to reach: its own last, or its last capture for another."""
-    last = plan.stages - 1
+def _finish(plan: Plan, calls_before_op: dict[int, int]) -> None:
+    """The glue ops that sites name, and each stage's last call to reach: its own last, or
+    where it takes a value for another."""
+    sites = [r.capture for r in plan.routes.values()]
+    sites += [site for r in plan.routes.values() for put in r.deliver.values() for site in put]
+    plan.calls_before_op = {at: calls_before_op[at] for kind, at, _ in sites if kind == "op"}
     plan.last_needed = [-1] * plan.stages
     for call in plan.calls:
-        if call.stage != last:
-            plan.last_needed[call.stage] = max(plan.last_needed[call.stage], call.index)
-        for key in call.sends.values():
-            producer = plan.routes[key].producer
-            plan.last_needed[producer] = max(plan.last_needed[producer], call.index)
+        plan.last_needed[call.stage] = max(plan.last_needed[call.stage], call.index)
     for route in plan.routes.values():
-        if route.at_end:
-            plan.last_needed[route.producer] = len(plan.calls)
-    plan.last_needed[last] = len(plan.calls)
+        if route.capture[0] != "input":
+            reach = plan.reach(route.capture)
+            plan.last_needed[route.producer] = max(plan.last_needed[route.producer], reach)
+    plan.last_needed[-1] = len(plan.calls)
 
 
 def split_by_params(

@@ -14,12 +14,14 @@ it does not have.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from gpipe_fast.capture.dispatch import install, viewing
 from gpipe_fast.capture.plan import Plan
@@ -76,15 +78,19 @@ def _real(leaf: Any) -> bool:
 
 
 class _StageView:
-    """A stage's view of the atoms' calls during one forward of the model."""
+    """A stage's view of the atoms' calls (and, where its plan names glue ops, of those) during
+    one forward of the model: what it takes for other stages and what it puts in."""
 
     def __init__(self, cell: StageCell, received: dict[str, Tensor | None]) -> None:
         self.cell = cell
         self.plan = cell.plan
         self.stage = cell.stage
+        self.sites = cell.sites
+        self.last_needed = cell.plan.last_needed[cell.stage]
         self.received = received
         self.captured: dict[str, Tensor | None] = {}
         self.next = 0
+        self.depth = 0  # > 0 inside an atom's call: its own torch calls are not glue
 
     def __call__(
         self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -98,34 +104,89 @@ class _StageView:
                 "input's values, which each stage does not have"
             )
         self.next += 1
-        call = plan.calls[i]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        for j, key in call.sends.items():
-            if plan.routes[key].producer == self.stage:
-                self.captured[key] = self._real(leaves[j], call.fqn, j)
-        if call.stage == self.stage:
-            for j, key in call.receives.items():
-                leaves[j] = self.received[key]
-            for j, leaf in enumerate(leaves):
-                self._real(leaf, call.fqn, j) if isinstance(leaf, Tensor) else None
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
-            out = forward(*args, **kwargs)
-        elif i < plan.last_needed[self.stage]:
-            out = self.cell.placeholders.output(i, forward, leaves, spec)
-        else:
-            out = None
-        if i >= plan.last_needed[self.stage]:
+        self.depth += 1
+        try:
+            out = self._call(i, forward, args, kwargs)
+        finally:
+            self.depth -= 1
+        if i >= self.last_needed:
             raise _StageDone
         return out
 
-    def _real(self, leaf: Any, fqn: str, j: int) -> Tensor:
+    def _call(self, i: int, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        call = self.plan.calls[i]
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        self._take(self.sites.capture["arg"].get(i), leaves, call.fqn)
+        if call.stage == self.stage:
+            self._put(self.sites.put["arg"].get(i), leaves)
+            for j, leaf in enumerate(leaves):
+                if isinstance(leaf, Tensor):
+                    self._real(leaf, f"argument {j} of {call.fqn!r}")
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            out = forward(*args, **kwargs)
+        elif i < self.last_needed:
+            out = self.cell.placeholders.output(i, forward, leaves, spec)
+        else:
+            return None
+        return self.after(self.sites.capture["out"].get(i), self.sites.put["out"].get(i), out,
+                          f"the output of {call.fqn!r}")  # fmt: skip
+
+    def after(self, take: dict[int, str] | None, put: dict[int, str] | None, out: Any,
+              what: str) -> Any:  # fmt: skip
+        """`out` (an atom's or a glue op's) with this stage's sites there applied."""
+        if not take and not put:
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        self._take(take, leaves, what)
+        self._put(put, leaves)
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _take(self, take: dict[int, str] | None, leaves: list[Any], what: str) -> None:
+        for j, key in (take or {}).items():
+            self.captured[key] = self._real(leaves[j], what)
+
+    def _put(self, put: dict[int, str] | None, leaves: list[Any]) -> None:
+        for j, key in (put or {}).items():
+            leaves[j] = self.received[key]
+
+    def _real(self, leaf: Any, what: str) -> Tensor:
         if isinstance(leaf, FakeTensor):
             raise RuntimeError(
-                f"gpipe_fast.pipeline: argument {j} of {fqn!r} holds a value that another stage "
-                "computes and that the plan did not route here (the model's forward took "
-                "another path than on the example inputs?)"
+                f"gpipe_fast.pipeline: {what} holds a value that another stage computes and "
+                "that the plan did not route here (the model's forward took another path than "
+                "on the example inputs?)"
             )
         return leaf  # type: ignore[no-any-return]
+
+
+class _GlueOps(TorchFunctionMode):
+    """Counts the glue's torch calls as the planner did (not those inside atoms) and applies
+    the stage's sites at the glue ops its plan names."""
+
+    def __init__(self, view: _StageView) -> None:
+        super().__init__()
+        self.view = view
+        self.ops = 0
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        view = self.view
+        if view.depth:
+            return out
+        op = self.ops
+        self.ops += 1
+        sites = view.sites
+        take, put = sites.capture["op"].get(op), sites.put["op"].get(op)
+        if take or put:
+            view.depth += 1  # flattening the output makes torch calls of its own
+            try:
+                name = getattr(func, "__name__", func)
+                out = view.after(take, put, out, f"glue op {op} ({name})")
+            finally:
+                view.depth -= 1
+        return out
 
 
 class StageCell(nn.Module):
@@ -146,6 +207,7 @@ class StageCell(nn.Module):
         self.atom_modules = [model.get_submodule(call.fqn) for call in plan.calls]
         install(self.atom_modules)
         self.placeholders = _Placeholders()
+        self.sites = plan.sites(stage)
         consumed = plan.consumed_by(stage)
         # From the stage just before: the boundary value; from further back: skips.
         self.pops = sorted((r.key, _skip_name(r.key, stage)) for r in consumed
@@ -175,7 +237,7 @@ class StageCell(nn.Module):
         args, kwargs = _inputs(plan, received)
         view = _StageView(self, received)
         output = None
-        with viewing(view):
+        with viewing(view), _GlueOps(view) if self.sites.any_ops() else nullcontext():
             try:
                 output = self._model(*args, **kwargs)
             except _StageDone:
@@ -184,14 +246,12 @@ class StageCell(nn.Module):
         if self.stage == 0:
             captured.update((plan.input_key(n), received[plan.input_key(n)])
                             for n in plan.tensor_inputs)  # fmt: skip
-        if plan.output_sends and output is not None:
-            leaves = pytree.tree_leaves(output)
-            captured.update((key, leaves[j]) for j, key in plan.output_sends.items()
-                            if plan.routes[key].producer == self.stage)  # fmt: skip
+        output = view.after(self.sites.capture["end"].get(-1), self.sites.put["end"].get(-1),
+                            output, "the model's output")  # fmt: skip
         for key, name in self.stashes:
             yield stash(name, captured[key])
         if self.last:
-            return _with_received_outputs(plan, output, received)
+            return _checked_output(output)
         return {key: captured[key] for key in self.passes}
 
 
@@ -206,14 +266,11 @@ def _inputs(plan: Plan, received: dict[str, Tensor | None]) -> tuple[list[Any], 
     return args, values
 
 
-def _with_received_outputs(plan: Plan, output: Any, received: dict[str, Tensor | None]) -> Any:
-    leaves, spec = pytree.tree_flatten(output)
-    for j, key in plan.output_receives.items():
-        leaves[j] = received[key]
-    for j, leaf in enumerate(leaves):
+def _checked_output(output: Any) -> Any:
+    for j, leaf in enumerate(pytree.tree_leaves(output)):
         if isinstance(leaf, FakeTensor):
             raise RuntimeError(f"gpipe_fast.pipeline: the model's output leaf {j} was not routed")
-    return pytree.tree_unflatten(leaves, spec)
+    return output
 
 
 def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
@@ -232,9 +289,7 @@ def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
 def stage_cells(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """The model's stages as cells (each a class of its own, declaring its skips); modules
     that the forward never calls go with stage 0, so that nothing of the model is lost."""
-    atoms = {fqn for names in plan.atoms for fqn in names}
-    covered = {id(t) for fqn in atoms for t in _tensors(model.get_submodule(fqn))}
-    extra = _uncovered(model, covered, atoms)
+    extra = _uncovered(model, {fqn for names in plan.atoms for fqn in names})
     cells: list[nn.Module] = []
     for k in range(plan.stages):
         consumed = [r for r in plan.consumed_by(k) if r.producer != k - 1]
@@ -247,17 +302,14 @@ def stage_cells(model: nn.Module, plan: Plan) -> list[nn.Module]:
     return cells
 
 
-def _tensors(module: nn.Module) -> list[Tensor]:
-    return [*module.parameters(), *module.buffers()]
-
-
-def _uncovered(model: nn.Module, covered: set[int], atoms: set[str]) -> list[str]:
-    """The outermost modules holding parameters or buffers that no atom holds."""
+def _uncovered(model: nn.Module, atoms: set[str]) -> list[str]:
+    """The outermost modules holding, under a name of their own, parameters or buffers that no
+    atom holds under that name (a module the forward never calls; `shared`, whose weight an
+    atom holds under another name): stage 0 keeps them, so every key of the model stays."""
     found: list[str] = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         if not name or any(name == a or name.startswith(a + ".") for a in [*atoms, *found]):
             continue
-        own = [*module._parameters.values(), *module._buffers.values()]
-        if any(t is not None and id(t) not in covered for t in own):
+        if module._parameters or module._buffers:
             found.append(name)
     return found
