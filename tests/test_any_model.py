@@ -4,6 +4,8 @@ own forward, exact against the plain model in float64, in one process and across
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +176,37 @@ class _Scaled(nn.Module):
 def test_glue_with_parameters_of_its_own_is_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="holds scale itself"):
         gf.pipeline(_Scaled(), torch.randn(2, 4), ["b"])
+
+
+class _ReadsAValue(nn.Module):
+    """Glue that reads a tensor's value on the host, between the stages' modules."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.read = read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.read == "item":
+            h = h / h.abs().max().item()
+        elif self.read == "branch":
+            h = h if bool(h.sum() > 0) else -h
+        else:
+            h = h[h > 0].reshape(1, -1)[:, :4]  # a shape that depends on values
+        return self.b(h)
+
+
+@pytest.mark.parametrize("read", ["item", "branch", "masked"])
+def test_glue_reading_values_on_the_host_is_refused_naming_where(read: str) -> None:
+    with pytest.raises(ValueError, match="reads a tensor's values on the host after 'a' returned"):
+        gf.pipeline(_ReadsAValue(read), torch.randn(2, 4), ["b"])
+
+
+def test_the_guide_page_example_runs() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "any_model.md").read_text()
+    (block,) = re.findall(r"^```python\n(.*?)^```", page, flags=re.MULTILINE | re.DOTALL)
+    namespace: dict[str, Any] = {}
+    exec(compile(block, "docs/any_model.md", "exec"), namespace)
+    assert namespace["pipe"].split_points == ["model.layers.2"]
+    assert torch.isfinite(namespace["loss"])

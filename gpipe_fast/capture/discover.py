@@ -19,7 +19,11 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.nn.modules import module as torch_module
 from torch.overrides import TorchFunctionMode
 
@@ -90,10 +94,31 @@ def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:
     try:
         with torch.no_grad():
             model(*inputs[0], **inputs[1])
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise ValueError(_reads_values(model, recorder, error)) from error
     finally:
         pre.remove()
         post.remove()
     return recorder.events
+
+
+def _reads_values(model: nn.Module, recorder: _Recorder, error: Exception) -> str:
+    """Why a forward that reads a tensor's values on the host cannot be planned, and where."""
+    names = _names(model)
+    if recorder.stack:
+        where = f"inside {names[id(recorder.events[recorder.stack[-1]].module)]!r}"
+    elif recorder.events:
+        where = f"after {names[id(recorder.events[-1].module)]!r} returned"
+    else:
+        where = "before its first module call"
+    return (
+        f"gpipe_fast.pipeline: the model's forward reads a tensor's values on the host {where} "
+        f"({error}): .item(), a Python branch on a tensor, or an op whose output's shape "
+        "depends on values. The pipe is planned on shapes alone (fake tensors), and a stage "
+        "holds only placeholders for what other stages compute, so it refuses such a forward "
+        "rather than guess. Compute that value before calling the model and pass it as an "
+        "input, or pipeline an nn.Sequential with gf.GPipe."
+    )
 
 
 def _names(model: nn.Module) -> dict[int, str]:
