@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 pytest.importorskip("transformers")
 
@@ -210,3 +211,75 @@ def test_the_guide_page_example_runs() -> None:
     exec(compile(block, "docs/any_model.md", "exec"), namespace)
     assert namespace["pipe"].split_points == ["model.layers.2"]
     assert torch.isfinite(namespace["loss"])
+
+
+class _Counting(nn.Module):
+    """A layer whose forward writes its own state, as BatchNorm's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = x
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched(schedule: str) -> None:
+    # Every stage runs the others' modules on fake tensors for their output shapes, while
+    # their own stage may be running them for real on another thread, and planning runs the
+    # whole forward so: what such a run writes (BatchNorm's count of batches,
+    # DeferredBatchNorm's sums, any attribute) must land in a copy, never in the model.
+    torch.manual_seed(1)
+    model = cases.VisionNet().double().train()
+    model.blocks[3].append(_Counting())
+    chunks, stages = 4, 2 * KINDS[schedule]
+    x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
+    # The reference: the plain model on the micro-batches in turn (BatchNorm normalises each
+    # by its own statistics), and the running statistics of each BatchNorm's whole
+    # mini-batch of inputs, which deferred_batch_norm keeps.
+    plain = copy.deepcopy(model)
+    norms = {n: m for n, m in plain.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    running = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in norms.items()}
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in norms}
+    for name, norm in norms.items():
+        norm.register_forward_pre_hook(lambda _m, args, name=name: seen[name].append(args[0]))
+    points = cases.split_points("vision", stages)
+    pipe = gf.pipeline(model, x[:2], points, chunks=chunks, devices=["cpu", "cpu"],
+                       schedule=schedule, deferred_batch_norm=True)  # fmt: skip
+    try:
+        for step in range(3):
+            x = torch.randn(8, 3, 5, 5, dtype=torch.float64)
+            y = torch.randint(0, cases.VOCAB, (8,))
+            loss = pipe.train_step(x, y, cases.any_loss)
+            want = sum(
+                cases.any_loss(plain(xm), ym) * len(xm) / len(x)
+                for xm, ym in zip(x.chunk(chunks), y.chunk(chunks), strict=True)
+            )
+            want.backward()
+            assert loss.item() == pytest.approx(want.item(), rel=EXACT), step
+            for (key, got), wanted in zip(
+                model.named_parameters(), plain.parameters(), strict=True
+            ):
+                assert cases.relative(got.grad, wanted.grad) < EXACT, (step, key)
+            for name, norm in norms.items():
+                inputs = torch.cat(seen[name]).detach()
+                seen[name].clear()
+                mean, var = inputs.mean((0, 2, 3)), inputs.var((0, 2, 3))
+                momentum = norm.momentum
+                running[name] = (
+                    (1 - momentum) * running[name][0] + momentum * mean,
+                    (1 - momentum) * running[name][1] + momentum * var,
+                )
+                got_norm = model.get_submodule(name)
+                assert cases.relative(got_norm.running_mean, running[name][0]) < EXACT, name
+                assert cases.relative(got_norm.running_var, running[name][1]) < EXACT, name
+                assert got_norm.num_batches_tracked.item() == step + 1, name
+            assert model.blocks[3][-1].calls == chunks * (step + 1)  # no fake run counted
+        fakes = [n for n, v in vars(model.blocks[3][-1]).items() if isinstance(v, FakeTensor)]
+        assert not fakes and not any(isinstance(b, FakeTensor) for b in model.buffers())
+    finally:
+        pipe.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,21 @@ class _Recorder:
         event = self.events[index]
         event.end = len(self.events) - 1
         event.output = output
+
+
+def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are `mode`'s fake tensors, to run its
+    forward for shapes: what the forward writes (a BatchNorm's count of batches, any
+    attribute) lands in the copy, never in the model. The copy has the model's names."""
+    tensors = [*model.parameters(), *model.buffers()]
+    memo: dict[int, Any] = {id(t): mode.from_tensor(t) for t in tensors}
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as error:
+        raise TypeError(
+            f"gpipe_fast.pipeline plans on a copy of the model (so that running its forward "
+            f"changes nothing in it), and copy.deepcopy failed on it: {error}"
+        ) from error
 
 
 def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:
@@ -340,8 +356,9 @@ def discover(model: nn.Module, example: Any, split_points: list[str]) -> Plan:
     tensors shaped as `example` (one micro-batch): cheap in memory whatever the model's size,
     and the model may be on the meta device."""
     args, kwargs = as_inputs(example)
-    names = _names(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = planning_copy(model, mode)
+    names = _names(model)
 
     def fake(inputs: Inputs) -> Inputs:
         return pytree.tree_map_only(Tensor, mode.from_tensor, inputs)  # type: ignore[no-any-return]
@@ -441,6 +458,7 @@ def split_by_params(
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {stages!r}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = planning_copy(model, mode)
     with mode:
         events = _record(model, pytree.tree_map_only(Tensor, mode.from_tensor, as_inputs(example)))
     blocks = {id(model.get_submodule(name)): name for name in repeated_blocks(model)}

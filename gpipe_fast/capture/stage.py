@@ -13,6 +13,8 @@ it does not have.
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -43,18 +45,39 @@ def _describe(leaf: Any) -> Any:
 
 class _Placeholders:
     """Fake outputs of other stages' atoms, per call and argument shapes: the atom runs once
-    on fake tensors for each new shape, then its output's shapes are reused."""
+    on fake tensors for each new shape, then its output's shapes are reused. It runs as a
+    shadow: a copy of the module whose parameters and buffers (the whole model's, wherever
+    the copy reaches them) are fake, so that what its forward writes (a BatchNorm's
+    statistics, any attribute) stays in the copy. The module itself belongs to its own stage,
+    which may be running it for real at that moment on another thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._model = model
+        self._memo: dict[int, Any] | None = None  # deepcopy's memo: real tensor id -> fake
+        self._shadows: dict[int, nn.Module] = {}
         self._outputs: dict[Any, tuple[list[Any], Any]] = {}
 
-    def output(self, call: int, forward: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
+    def _shadow(self, module: nn.Module) -> nn.Module:
+        shadow = self._shadows.get(id(module))
+        if shadow is None:
+            if self._memo is None:
+                tensors = [*self._model.parameters(), *self._model.buffers()]
+                self._memo = {id(t): self.mode.from_tensor(t) for t in tensors}
+            shadow = self._shadows[id(module)] = copy.deepcopy(module, self._memo)
+        return shadow
+
+    def output(
+        self, call: int, module: nn.Module, forward: Callable[..., Any], leaves: list[Any],
+        spec: Any,
+    ) -> Any:  # fmt: skip
         key = (call, tuple(_describe(leaf) for leaf in leaves))
         found = self._outputs.get(key)
         if found is None:
             fakes = [self.mode.from_tensor(t) if _real(t) else t for t in leaves]
             args, kwargs = pytree.tree_unflatten(fakes, spec)
+            if getattr(forward, "__self__", None) is module:  # the module's own method
+                forward = types.MethodType(forward.__func__, self._shadow(module))  # type: ignore[attr-defined]
             with self.mode, torch.no_grad():
                 out = forward(*args, **kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
@@ -106,14 +129,16 @@ class _StageView:
         self.next += 1
         self.depth += 1
         try:
-            out = self._call(i, forward, args, kwargs)
+            out = self._call(i, module, forward, args, kwargs)
         finally:
             self.depth -= 1
         if i >= self.last_needed:
             raise _StageDone
         return out
 
-    def _call(self, i: int, forward: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def _call(
+        self, i: int, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
         call = self.plan.calls[i]
         leaves, spec = pytree.tree_flatten((args, kwargs))
         self._take(self.sites.capture["arg"].get(i), leaves, call.fqn)
@@ -125,7 +150,7 @@ class _StageView:
             args, kwargs = pytree.tree_unflatten(leaves, spec)
             out = forward(*args, **kwargs)
         elif i < self.last_needed:
-            out = self.cell.placeholders.output(i, forward, leaves, spec)
+            out = self.cell.placeholders.output(i, module, forward, leaves, spec)
         else:
             return None
         return self.after(self.sites.capture["out"].get(i), self.sites.put["out"].get(i), out,
@@ -206,7 +231,7 @@ class StageCell(nn.Module):
             _place(self, fqn, model.get_submodule(fqn))
         self.atom_modules = [model.get_submodule(call.fqn) for call in plan.calls]
         install(self.atom_modules)
-        self.placeholders = _Placeholders()
+        self.placeholders = _Placeholders(model)
         self.sites = plan.sites(stage)
         consumed = plan.consumed_by(stage)
         # From the stage just before: the boundary value; from further back: skips.

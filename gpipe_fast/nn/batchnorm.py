@@ -37,7 +37,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _accumulate(self, input: Tensor) -> None:
         dims = [d for d in range(input.dim()) if d != 1]
-        values = input.float()
+        # At least float32 (half inputs), float64 kept: a float64 model's statistics exact.
+        values = input.to(torch.promote_types(input.dtype, torch.float32))
         total = values.sum(dims)
         squares = (values * values).sum(dims)
         count = input.numel() // input.size(1)
