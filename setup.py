@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -33,6 +35,74 @@ def ninja_program() -> str:
     return shutil.which("ninja") or ""
 
 
+def content_digest(root: Path, parts: tuple[str, ...]) -> str:
+    """A digest of the files root/part, or under it, for each part: their names and bytes
+    (__pycache__ left out: its files differ between two installs of the same package)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        top = root / part
+        for path in [top] if top.is_file() else sorted(top.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def stage(fill: Callable[[Path], None], target: Path) -> Path:
+    """target, filled by fill(folder) in a new folder renamed to target, unless it is there
+    already: an interrupted copy never stands as a complete one."""
+    if target.exists():
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        fill(partial)
+        os.replace(partial, target)
+    except OSError:
+        if not target.exists():  # else another build renamed its copy first: the same contents
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def stable_ninja(ninja: str, tools: Path) -> str:
+    """A copy of `ninja` at a path that names its contents, under tools/.
+
+    pip builds each install in a fresh isolated environment, so the ninja (and pybind11) it
+    provides live at a new temporary path every time; a CMake cache and Ninja's command lines
+    that named those paths made every reinstall configure and compile afresh. A copy keyed by
+    contents keeps the same path across installs of the same tool, and a new one for another."""
+    if not ninja:
+        return ""
+    program = Path(ninja)
+
+    def copy(folder: Path) -> None:
+        folder.mkdir(parents=True)
+        shutil.copy2(program, folder / program.name)
+
+    digest = content_digest(program.parent, (program.name,))
+    return str(stage(copy, tools / f"ninja-{digest}") / program.name)
+
+
+def stable_pybind11(cmake_dir: str, tools: Path) -> str:
+    """pybind11's CMake folder and headers copied under tools/, at a path naming their contents
+    (see stable_ninja); cmake_dir itself when it is not pybind11's package layout."""
+    root = Path(cmake_dir).parents[2]  # <root>/share/cmake/pybind11, headers in <root>/include
+    relative = Path(cmake_dir).relative_to(root)
+    if relative != Path("share/cmake/pybind11") or not (root / "include" / "pybind11").is_dir():
+        return cmake_dir
+    parts = ("include", "share/cmake")
+
+    def copy(folder: Path) -> None:
+        for part in parts:
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(root / part, folder / part, ignore=ignore)
+
+    digest = content_digest(root, parts)
+    return str(stage(copy, tools / f"pybind11-{digest}") / relative)
+
+
 def configure_inputs(make_program: str, pybind11_dir: str, build_type: str) -> dict[str, str]:
     """What a CMake cache remembers from its configure step, as a comparable fingerprint."""
     return {
@@ -52,9 +122,10 @@ def configure_inputs(make_program: str, pybind11_dir: str, build_type: str) -> d
 def stale_cache_reason(build_dir: Path, inputs: dict[str, str]) -> str | None:
     """Why build_dir's CMake cache must not be reused with `inputs`, or None when it may be.
 
-    Each `pip install .` builds in a fresh isolated environment (its own ninja, pybind11) that
-    pip deletes afterwards, while build/temp.*/ stays: a cache from an earlier build can point at
-    programs that are gone or differ, and CMake would reuse it as is."""
+    build/temp.*/ outlives the environment that configured it (pip's isolated build
+    environments, a venv, a compiler): a cache from an earlier build can point at programs
+    that are gone or differ, and CMake would reuse it as is. Ninja and pybind11 are named by
+    their stable copies (stable_ninja), so an install with the same tools reuses the cache."""
     if not (build_dir / "CMakeCache.txt").exists():
         return None
     try:
@@ -72,7 +143,8 @@ def stale_cache_reason(build_dir: Path, inputs: dict[str, str]) -> str | None:
 
 
 def discard_stale_cache(build_dir: Path, inputs: dict[str, str]) -> str | None:
-    """Removes the CMake cache when stale (object files stay: Ninja rebuilds what changed)."""
+    """Removes the CMake cache when stale, with CMakeFiles/ (which holds the object files too,
+    so everything compiles again)."""
     reason = stale_cache_reason(build_dir, inputs)
     if reason is not None:
         (build_dir / "CMakeCache.txt").unlink()
@@ -130,24 +202,41 @@ class CMakeBuild(build_ext):
             filename = self.get_ext_filename(self.get_ext_fullname(ext.name))
             place_in_source(Path(self.build_lib) / filename, SOURCE_DIR / filename)
 
+    def cmake_build_dir(self, ext: Extension) -> Path:
+        """The CMake build folder: build/temp.<platform>-<python>/<ext> in the source tree, the
+        build_temp of a regular install, for editable installs too (whose build_temp is a
+        temporary folder deleted afterwards, so that each compiled everything afresh)."""
+        name = f"temp.{self.plat_name}-{sys.implementation.cache_tag}"
+        build_dir = SOURCE_DIR / "build" / name / ext.name
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only source tree: build where setuptools says
+            build_dir = Path(self.build_temp).resolve() / ext.name
+            build_dir.mkdir(parents=True, exist_ok=True)
+        return build_dir
+
     def build_extension(self, ext: Extension) -> None:
         import pybind11
 
         extdir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
         build_type = "Debug" if os.environ.get("DEBUG") else "Release"
-        inputs = configure_inputs(ninja_program(), pybind11.get_cmake_dir(), build_type)
+        build_dir = self.cmake_build_dir(ext)
+        tools = build_dir.parent / "gpipe_fast-tools"
+        inputs = configure_inputs(
+            stable_ninja(ninja_program(), tools),
+            stable_pybind11(pybind11.get_cmake_dir(), tools),
+            build_type,
+        )
         args = [
             "-G", inputs["generator"],
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}",
             f"-DPython_EXECUTABLE={inputs['python']}",
             f"-Dpybind11_DIR={inputs['pybind11_dir']}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
-        ]
+        ]  # fmt: skip
         if inputs["make_program"]:
             args.append(f"-DCMAKE_MAKE_PROGRAM={inputs['make_program']}")
-        args += inputs["cmake_args"].split()
-        build_dir = Path(self.build_temp).resolve() / ext.name
-        build_dir.mkdir(parents=True, exist_ok=True)
+        args += inputs["cmake_args"].split()  # last, so that the user's CMake flags win
         reason = discard_stale_cache(build_dir, inputs)
         if reason is not None:
             print(f"gpipe_fast: configuring CMake afresh in {build_dir} ({reason})")

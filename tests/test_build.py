@@ -6,32 +6,19 @@ from __future__ import annotations
 import errno
 import importlib.machinery
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from urllib.parse import unquote, urlparse
 
 import pytest
+from build_harness import build
 
 ROOT = Path(__file__).resolve().parent.parent
 C_NAME = "_C" + importlib.machinery.EXTENSION_SUFFIXES[0]
-
-
-def _load_setup() -> ModuleType:
-    """setup.py as a module: its setup() call is guarded by __main__, so nothing is built."""
-    spec = importlib.util.spec_from_file_location("gpipe_fast_setup", ROOT / "setup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = _load_setup()
 
 
 @pytest.fixture
