@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -9,7 +10,10 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
+from sysconfig import get_paths
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -19,6 +23,9 @@ FINGERPRINT = "gpipe_fast-configure.json"  # in the CMake build folder, next to 
 # The configure inputs that name files or folders: a cache that remembers one gone is unusable.
 PATH_INPUTS = ("cmake", "make_program", "python", "pybind11_dir")
 COMPILER_VARS = ("CC", "CXX", "CUDACXX")
+CUDA_VAR = "GPIPE_FAST_CUDA"  # ON, OFF, or unset (AUTO): see cuda_choice
+CMAKE_TRUE = ("ON", "1", "TRUE", "YES", "Y")
+CMAKE_FALSE = ("OFF", "0", "FALSE", "NO", "N")
 
 
 def ninja_program() -> str:
@@ -103,7 +110,101 @@ def stable_pybind11(cmake_dir: str, tools: Path) -> str:
     return str(stage(copy, tools / f"pybind11-{digest}") / relative)
 
 
-def configure_inputs(make_program: str, pybind11_dir: str, build_type: str) -> dict[str, str]:
+@dataclass(frozen=True)
+class TorchBuild:
+    """What torch/version.py says of a torch build, read without importing torch."""
+
+    version: str
+    cuda: str | None
+    hip: str | None
+
+
+def torch_version_file() -> Path | None:
+    """torch/version.py of the torch this build is for: the one the build can import (without
+    build isolation), else the one in the target environment's site-packages (pip's isolated
+    build hides that from sys.path, but the interpreter, hence sys.prefix, is the target's)."""
+    spec = find_spec("torch")  # finds the package without importing it
+    if spec is not None and spec.submodule_search_locations:
+        folders = [Path(folder) for folder in spec.submodule_search_locations]
+    else:
+        paths = get_paths()
+        folders = [Path(paths[key]) / "torch" for key in ("purelib", "platlib")]
+    return next((f / "version.py" for f in folders if (f / "version.py").is_file()), None)
+
+
+def read_torch_build(version_file: Path) -> TorchBuild | None:
+    """The version and CUDA/HIP versions that torch/version.py assigns, or None when unreadable."""
+    try:
+        tree = ast.parse(version_file.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    values: dict[str, object] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            try:
+                values[target.id] = ast.literal_eval(value)
+            except ValueError:
+                pass
+    strings = {name: value for name, value in values.items() if isinstance(value, str)}
+    if "__version__" not in strings:
+        return None
+    return TorchBuild(strings["__version__"], strings.get("cuda"), strings.get("hip"))
+
+
+@dataclass(frozen=True)
+class CudaChoice:
+    """Whether CMake builds the CUDA backend: "off", "auto" (when nvcc is found) or "required"
+    (nvcc must be found), and the line that tells the user why."""
+
+    mode: str
+    why: str
+
+    def cmake_args(self) -> list[str]:
+        on = "OFF" if self.mode == "off" else "ON"
+        required = "ON" if self.mode == "required" else "OFF"
+        return [f"-DGPIPE_FAST_CUDA={on}", f"-DGPIPE_FAST_CUDA_REQUIRED={required}"]
+
+
+def cuda_choice(requested: str | None, torch: TorchBuild | None) -> CudaChoice:
+    """The rule: GPIPE_FAST_CUDA=ON builds the CUDA backend (an error without nvcc), OFF never
+    does; unset, it is built when nvcc is found unless the torch found at build time has no
+    CUDA (a CPU or ROCm wheel), whose users could not run it. No torch found (pip installs it
+    with this package into a fresh environment) builds it when nvcc is found, as the default
+    torch wheel on Linux is a CUDA one."""
+    value = (requested or "AUTO").strip().upper()
+    if value in CMAKE_TRUE:
+        return CudaChoice("required", f"CUDA backend required ({CUDA_VAR}={requested})")
+    if value in CMAKE_FALSE:
+        return CudaChoice("off", f"CUDA backend skipped ({CUDA_VAR}={requested})")
+    if value != "AUTO":
+        raise ValueError(f"{CUDA_VAR} must be ON, OFF or AUTO (or unset), not {requested!r}")
+    if torch is None:
+        return CudaChoice(
+            "auto",
+            f"no torch found at build time: CUDA backend built if nvcc is found "
+            f"({CUDA_VAR}=OFF skips it)",
+        )
+    if torch.cuda is None:
+        kind = "a ROCm build" if torch.hip else "a CPU build"
+        return CudaChoice(
+            "off",
+            f"CUDA backend skipped: torch {torch.version} is {kind} "
+            f"(set {CUDA_VAR}=ON to build it)",
+        )
+    return CudaChoice(
+        "auto", f"CUDA backend built if nvcc is found (torch {torch.version}, CUDA {torch.cuda})"
+    )
+
+
+def configure_inputs(
+    make_program: str, pybind11_dir: str, build_type: str, cuda: str = "auto"
+) -> dict[str, str]:
     """What a CMake cache remembers from its configure step, as a comparable fingerprint."""
     return {
         "source_dir": str(SOURCE_DIR),
@@ -113,6 +214,7 @@ def configure_inputs(make_program: str, pybind11_dir: str, build_type: str) -> d
         "python": sys.executable,
         "pybind11_dir": pybind11_dir,
         "build_type": build_type,
+        "cuda": cuda,
         "cmake_args": os.environ.get("CMAKE_ARGS", ""),
         # CMake reads these only on a first configure, then ignores them silently.
         "compilers": " ".join(f"{name}={os.environ.get(name, '')}" for name in COMPILER_VARS),
@@ -220,12 +322,17 @@ class CMakeBuild(build_ext):
 
         extdir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
         build_type = "Debug" if os.environ.get("DEBUG") else "Release"
+        version_file = torch_version_file()
+        torch = read_torch_build(version_file) if version_file else None
+        cuda = cuda_choice(os.environ.get(CUDA_VAR), torch)
+        print(f"gpipe_fast: {cuda.why}")
         build_dir = self.cmake_build_dir(ext)
         tools = build_dir.parent / "gpipe_fast-tools"
         inputs = configure_inputs(
             stable_ninja(ninja_program(), tools),
             stable_pybind11(pybind11.get_cmake_dir(), tools),
             build_type,
+            cuda.mode,
         )
         args = [
             "-G", inputs["generator"],
@@ -233,6 +340,7 @@ class CMakeBuild(build_ext):
             f"-DPython_EXECUTABLE={inputs['python']}",
             f"-Dpybind11_DIR={inputs['pybind11_dir']}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
+            *cuda.cmake_args(),
         ]  # fmt: skip
         if inputs["make_program"]:
             args.append(f"-DCMAKE_MAKE_PROGRAM={inputs['make_program']}")

@@ -126,8 +126,9 @@ def resolve_device(args: argparse.Namespace) -> torch.device | str:
         return f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible"
     if not _C.cuda_compiled():
         return (
-            "gpipe_fast._C was built without CUDA (no nvcc when it was built): rebuild with the "
-            "CUDA toolkit on PATH, e.g. pip install --no-build-isolation -e ."
+            "gpipe_fast._C was built without CUDA (no nvcc, or a CPU-only torch, when it was "
+            "built): rebuild with the CUDA toolkit on PATH and a CUDA torch, e.g. "
+            "pip install --no-build-isolation -e . (GPIPE_FAST_CUDA=ON forces it)"
         )
     return torch.device("cuda", index)
 

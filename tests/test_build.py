@@ -73,7 +73,7 @@ def test_the_ninja_of_a_deleted_build_environment_is_never_reused(tmp_path: Path
 
 
 CONFIGURE_INPUTS = ("source_dir", "generator", "cmake", "make_program", "python", "pybind11_dir")
-CONFIGURE_INPUTS += ("build_type", "cmake_args", "compilers")
+CONFIGURE_INPUTS += ("build_type", "cuda", "cmake_args", "compilers")
 
 
 def test_the_fingerprint_holds_every_configure_input(tools) -> None:

@@ -18,8 +18,9 @@ def _allocator() -> Any:
     symbols = _C.torch_allocator_symbols()
     if symbols is None:
         raise RuntimeError(
-            "recompute_pool=True needs gpipe_fast built with CUDA (nvcc was not found at build "
-            "time)"
+            "recompute_pool=True needs gpipe_fast built with its CUDA backend, which this build "
+            "lacks (nvcc was not found, or torch was a CPU build, when it was built): reinstall "
+            "it with nvcc on PATH and a CUDA torch, or with GPIPE_FAST_CUDA=ON"
         )
     malloc, free = symbols
     return torch.cuda.memory.CUDAPluggableAllocator(_C.__file__, malloc, free)
