@@ -153,9 +153,25 @@ def check_devices(devices: object) -> list[torch.device]:
     for i, device in enumerate(resolved):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"devices[{i}]: only cpu and cuda devices are supported, got {device}")
-        if device.type == "cuda" and device.index is None:
-            resolved[i] = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            resolved[i] = check_cuda_device(device, f"devices[{i}]")
     return resolved
+
+
+def check_cuda_device(device: torch.device, name: str) -> torch.device:
+    """`device` (a CUDA device) with its index, if this process has it: a CPU-only torch
+    or a missing GPU is a ValueError naming `name`, before torch's own AssertionError."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{name} is {device}, but torch.cuda.is_available() is False (a CPU-only build "
+            f"of torch, or no GPU visible): use 'cpu' devices, or leave devices out for the "
+            f"default"
+        )
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise ValueError(f"{name} is cuda:{index}, but this process sees {count} CUDA devices")
+    return torch.device("cuda", index)
 
 
 REDUCTIONS = ("mean", "sum")

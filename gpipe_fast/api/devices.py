@@ -24,7 +24,7 @@ def single_process_devices(
     devices[s % D]. Devices beyond those the cells need are left out."""
     per = schedule_kind(schedule).stages_per_worker
     cells = len(balance)
-    devices = default_devices(cells // per if per else cells) if given is None else given
+    devices = default_devices(cells, per) if given is None else given
     if not balance:
         return [], []
     if per and cells % per:
@@ -68,9 +68,20 @@ def default_balance(
     return balance_by_params(min(len(module), per * workers), module)
 
 
-def default_devices(cells: int) -> list[torch.device]:
-    """Every CUDA device; without CUDA one "cpu" device per cell (the cores are shared out
-    among CPU cells by host.threads_per_cell)."""
-    if torch.cuda.is_available():
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    return [torch.device("cpu")] * cells
+def default_devices(cells: int, per: int) -> list[torch.device]:
+    """The devices of `cells` cells run `per` to a worker (0: any number, the interleaved
+    schedule). Without CUDA one "cpu" device per worker (host.threads_per_cell shares the
+    cores out among them). With CUDA every GPU, or, with fewer GPUs than workers, the
+    workers share them, contiguous workers on one GPU (all of them on a machine of one GPU,
+    each with its own streams); the interleaved schedule takes the most GPUs that divide
+    its cells instead, V cells on each."""
+    workers = cells // per if per else cells
+    if not torch.cuda.is_available():
+        return [torch.device("cpu")] * workers
+    gpus = torch.cuda.device_count()
+    if not per:
+        used = max(d for d in range(1, gpus + 1) if cells % d == 0)
+        return [torch.device("cuda", i) for i in range(used)]
+    if gpus >= workers:
+        return [torch.device("cuda", i) for i in range(gpus)]
+    return [torch.device("cuda", w * gpus // workers) for w in range(workers)]

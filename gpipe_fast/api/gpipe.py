@@ -78,16 +78,18 @@ class GPipe(nn.Module):
     GPU measurement shows it lowers peak reserved memory) allocates what each cell's
     re-materialisation rebuilds from a native pool of that cell's own (see memory_stats()).
 
-    ``devices`` defaults to every CUDA device, one per cell; without CUDA, to one "cpu"
-    device per cell, however many cores there are: CPU cells share the cores out (see
-    ``threads_per_cell``). ``balance=None`` balances by parameter count over one cell per
-    device: per GPU, or on a CPU-only machine one per core (at most one per layer), so that
-    every cell gets a core of its own and all cores work at once without oversubscribing
-    them. An empty ``nn.Sequential()`` with ``balance=[]`` is the identity and starts no
-    workers. ``chunks`` takes an int or anything that converts to one without loss (42.0,
-    a numpy int); ``checkpoint`` a mode as a str (a str subclass, or an object whose str()
-    is the mode). The pipe cannot be moved (``cuda()``, ``cpu()``, ``to(device)``): build a
-    new GPipe with other devices; casting (``half()``, ``to(torch.float64)``) is allowed.
+    ``devices`` defaults to every CUDA device, one per cell (with fewer GPUs than cells,
+    neighbouring cells share a GPU: on one GPU, every cell runs there); without CUDA, to one
+    "cpu" device per cell, however many cores there are: CPU cells share the cores out (see
+    ``threads_per_cell``). A CUDA device this process does not have (a CPU-only torch) is a
+    ValueError naming ``devices``. ``balance=None`` balances by parameter count over one cell
+    per device: per GPU, or on a CPU-only machine one per core (at most one per layer), so that
+    every cell gets a core of its own and all cores work at once without oversubscribing them.
+    An empty ``nn.Sequential()`` with ``balance=[]`` is the identity and starts no workers.
+    ``chunks`` takes an int or anything that converts to one without loss (42.0, a numpy int);
+    ``checkpoint`` a mode as a str (a str subclass, or an object whose str() is the mode). The
+    pipe cannot be moved (``cuda()``, ``cpu()``, ``to(device)``): build a new GPipe with other
+    devices; casting (``half()``, ``to(torch.float64)``) is allowed.
 
     ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
     "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe_fast.arguments import check_cuda_device
 from gpipe_fast.schedule.registry import SCHEDULES, placement, schedule_kind
 
 
@@ -110,11 +111,10 @@ def check_device(devices: Any, layout: ProcessLayout) -> torch.device:
         )
     device = resolved.pop()
     if device.type == "cuda":
-        index = torch.cuda.current_device() if device.index is None else device.index
+        device = check_cuda_device(device, "devices")
         expected = default_device()
-        if index != expected.index:
+        if device.index != expected.index:
             raise ValueError(
                 f"devices: {device} is not this rank's device ({expected}, from LOCAL_RANK)"
             )
-        device = torch.device("cuda", index)
     return device
