@@ -1,8 +1,10 @@
-"""Shared fixtures: fresh seeds, pipes closed after each test so workers never pile up, and
-the persistent gloo workers of the multi-process tests (one set per test module)."""
+"""Shared fixtures: fresh seeds, pipes closed after each test so workers never pile up, the
+persistent gloo workers of the multi-process tests (one set per test module), and the choice
+between the fast suite (the default) and the full one (--full, or GPIPE_FAST_FULL_TESTS=1)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -11,20 +13,48 @@ from cluster import Cluster
 
 import gpipe_fast as gf
 
+# CI sets it: .ci/run replays the README's `pytest` line as it is, so it cannot add --full.
+FULL_ENV = "GPIPE_FAST_FULL_TESTS"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--full",
         action="store_true",
-        help="run the long forms of the harnesses (test_exact_models.py: every checkpoint "
-        "mode, and gloo as well as shared memory between processes)",
+        help="run the full suite: the tests marked slow too (long parametrised sweeps, soaks, "
+        "sanitizer builds) and the long forms of the harnesses (test_exact_models.py: every "
+        f"checkpoint mode, and gloo as well as shared memory). {FULL_ENV}=1 does the same",
     )
+
+
+def full_suite(config: pytest.Config) -> bool:
+    """Whether this run is the full suite: --full, or GPIPE_FAST_FULL_TESTS set (not 0)."""
+    return bool(config.getoption("--full")) or os.environ.get(FULL_ENV, "") not in ("", "0")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if full_suite(config):
+        return "gpipe_fast: the full suite"
+    return (
+        "gpipe_fast: the fast suite; the tests marked slow are deselected "
+        f"(pytest --full, or {FULL_ENV}=1, runs them)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `-m slow` asks for them by name: the selection is the user's, not the fast suite's.
+    if full_suite(config) or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
 
 
 @pytest.fixture
 def full(request: pytest.FixtureRequest) -> bool:
-    """Whether `--full` asked for the long form of a harness."""
-    return bool(request.config.getoption("--full"))
+    """Whether this is the full suite, which runs the long form of a harness."""
+    return full_suite(request.config)
 
 
 @pytest.fixture(autouse=True)
