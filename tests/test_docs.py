@@ -10,73 +10,17 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-
-import gpipe_fast as gf
-
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-DOCS = ROOT / "docs"
+from doc_blocks import DOCS, README, ROOT, RUN_BY_OWN_TEST, Block, blocks, guide_pages, run_page
 
 # The exact lines .ci/run greps out of README.md (its two regular expressions).
 CI_LINES = (
     r"^pip install \. && python -m gpipe_fast demo$",
     r'^pip install "\.\[test\]" && pytest$',
 )
-# The line before a block that is shown but not run (an HTML comment: mkdocs drops it).
-FRAGMENT = re.compile(r"^<!-- fragment: .+ -->$")
-# A block whose first line says how to launch it is a script for torchrun.
-TORCHRUN = re.compile(r"^# torchrun --nproc-per-node (\d+) ")
-
-
-@dataclass(frozen=True)
-class Block:
-    """A fenced code block of a page: where it starts, its language and code."""
-
-    page: str
-    line: int
-    language: str
-    code: str
-    fragment: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.page}:{self.line}"
-
-    @property
-    def processes(self) -> int:
-        """How many processes torchrun runs it with (0: it runs in this process)."""
-        launch = TORCHRUN.match(self.code)
-        return int(launch.group(1)) if launch else 0
-
-
-def _blocks(path: Path) -> list[Block]:
-    text = path.read_text(encoding="utf-8")
-    found = []
-    pattern = r"^( *)```(\w*)[^\n]*\n(.*?)^\1```"
-    for match in re.finditer(pattern, text, flags=re.MULTILINE | re.DOTALL):
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        indent = len(match.group(1))
-        code = "".join(line[indent:] + "\n" for line in match.group(3).splitlines())
-        found.append(
-            Block(
-                page=str(path.relative_to(ROOT)),
-                line=text.count("\n", 0, match.start()) + 1,
-                language=match.group(2),
-                code=code,
-                fragment=bool(FRAGMENT.match(before.strip())),
-            )
-        )
-    return found
-
-
-def _guide_python_blocks() -> list[Block]:
-    pages = sorted(DOCS.glob("*.md"))
-    return [b for page in pages for b in _blocks(page) if b.language == "python"]
 
 
 def _readme() -> str:
@@ -108,31 +52,24 @@ def test_readme_training_example_trains() -> None:
     assert torch.isfinite(names["loss"])
 
 
-GUIDE_PAGES = sorted({b.page for b in _guide_python_blocks() if not (b.fragment or b.processes)})
+GUIDE_PAGES = sorted(
+    {b.page for page in guide_pages() for b in blocks(page) if b.runs_here} - set(RUN_BY_OWN_TEST)
+)
 
 
 @pytest.mark.parametrize("page", GUIDE_PAGES)
-def test_guide_page_code_runs_as_written(
-    page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The page's Python blocks, in order, in one namespace, as a reader runs them one after
-    another; the files they write land in a scratch folder."""
-    blocks = [b for b in _blocks(ROOT / page) if b.language == "python"]
-    runs = [b for b in blocks if not b.fragment and not b.processes]
-    if any(".plot(" in b.code for b in runs):
+def test_guide_page_code_runs_as_written(page: str, tmp_path: Path, monkeypatch) -> None:
+    """The page's Python blocks, in order, in one namespace (doc_blocks.run_page); the files
+    they write land in a scratch folder."""
+    if any(".plot(" in b.code for b in blocks(ROOT / page) if b.runs_here):
         pytest.importorskip("matplotlib")  # the `plot` extra: pictures of timelines
     monkeypatch.chdir(tmp_path)
-    names: dict[str, object] = {"__name__": "__main__"}
-    try:
-        for block in runs:
-            exec(compile(block.code, block.name, "exec"), names)
-    finally:
-        for value in names.values():
-            if isinstance(value, gf.GPipe):
-                value.close()
+    run_page(page)
 
 
-TORCHRUN_BLOCKS = [b for b in _guide_python_blocks() if b.processes and not b.fragment]
+TORCHRUN_BLOCKS = [
+    b for page in guide_pages() for b in blocks(page) if b.processes and not b.fragment
+]
 
 
 @pytest.mark.slow
@@ -152,15 +89,40 @@ def test_guide_torchrun_scripts_run(block: Block, tmp_path: Path) -> None:
 
 def test_every_guide_block_is_run_or_a_marked_fragment() -> None:
     """What test_guide_page_code_runs_as_written and the torchrun test pick up is every
-    Python block there is (the README's is run by its own test above); a fragment says why
-    it is one, and a marker never stands before a block it would not apply to."""
-    for path in [README, *sorted(DOCS.glob("*.md"))]:
+    Python block there is (the README's is run by its own test above, any_model.md's by
+    test_any_model.py through the same doc_blocks.run_page); a fragment says why it is one,
+    and a marker never stands before a block it would not apply to."""
+    for path in [README, *guide_pages()]:
         text = path.read_text(encoding="utf-8")
         markers = len(re.findall(r"^<!-- fragment", text, flags=re.MULTILINE))
-        marked = [b for b in _blocks(path) if b.fragment]
+        marked = [b for b in blocks(path) if b.fragment]
         assert markers == len(marked), f"{path.name}: a fragment marker not right before a block"
         assert all(b.language == "python" for b in marked), f"{path.name}: mark Python only"
+    for page, test in RUN_BY_OWN_TEST.items():
+        module, _, name = test.partition("::")
+        source = (ROOT / "tests" / module).read_text(encoding="utf-8")
+        assert f"def {name}(" in source and f'run_page("{page}")' in source, test
     assert GUIDE_PAGES and TORCHRUN_BLOCKS
+
+
+# `python examples/x.py --flag` or `torchrun ... examples/x.py --flag` in a shell block.
+EXAMPLE_COMMAND = re.compile(r"(examples/\w+\.py)((?: +--?[\w-]+(?: +[^-\s#][^\s#]*)?)*)")
+
+
+def test_shell_blocks_name_examples_and_options_there_are() -> None:
+    """The shell commands of the README and the guide run examples too long for the suite
+    (bench/readme_figures.py runs train_lm.py and unet.py as shown): each names a script
+    there is, with options its argparse declares."""
+    commands = []
+    for path in [README, *guide_pages()]:
+        for block in blocks(path):
+            if block.language == "bash":
+                commands += EXAMPLE_COMMAND.findall(block.code.replace("\\\n", " "))
+    assert commands, "the README shows how to run examples/train_lm.py"
+    for script, arguments in commands:
+        source = (ROOT / script).read_text(encoding="utf-8")
+        for option in re.findall(r"(?<!\S)(--?[\w-]+)", arguments):
+            assert f'"{option}"' in source, f"{script} declares no option {option}"
 
 
 def test_readme_links_into_the_guide_resolve() -> None:
