@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from cluster import Cluster
+from slow_cases import is_slow
 
 import gpipe_fast as gf
 
@@ -41,7 +42,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
     # `-m slow` asks for them by name: the selection is the user's, not the fast suite's.
     if full_suite(config) or "slow" in (config.getoption("markexpr") or ""):
         return

@@ -4,14 +4,17 @@ and GPIPE_FAST_FULL_TESTS=1 keep them, and CI (.ci/run) sets that variable for t
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import conftest
 import pytest
+import slow_cases
 from conftest import FULL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,11 +48,21 @@ class _Config:
 
 
 class _Item:
-    def __init__(self, slow: bool) -> None:
-        self.slow = slow
+    """What the hooks read of a collected test: its file, name, case and markers."""
+
+    path = Path("tests/test_probe.py")
+
+    def __init__(self, name: str, slow: bool = False, **case: object) -> None:
+        self.name = self.originalname = name
+        self.markers = {"slow"} if slow else set()
+        if case:
+            self.callspec = SimpleNamespace(params=case)
+
+    def add_marker(self, marker: pytest.MarkDecorator) -> None:
+        self.markers.add(marker.name)
 
     def get_closest_marker(self, name: str) -> object:
-        return object() if name == "slow" and self.slow else None
+        return object() if name in self.markers else None
 
 
 @pytest.mark.parametrize(
@@ -65,13 +78,38 @@ def test_the_fast_suite_deselects_the_slow_tests(
     if variable is not None:
         monkeypatch.setenv(FULL_ENV, variable)
     config = _Config(full, markexpr)
-    fast, slow = _Item(slow=False), _Item(slow=True)
+    fast, slow = _Item("test_fast"), _Item("test_marked", slow=True)
     items = [fast, slow]
     conftest.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
     assert items == ([fast, slow] if slow_kept else [fast])
     assert config.deselected == ([] if slow_kept else [slow])
     header = conftest.pytest_report_header(config)  # type: ignore[arg-type]
     assert ("the full suite" in header) == (slow_kept and not markexpr), header
+
+
+def test_the_list_of_slow_cases_marks_tests_and_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FULL_ENV, raising=False)
+    listed = {"test_probe.py::test_listed": True, "test_probe.py::test_swept": lambda case:
+              case["mode"] != "plain"}  # fmt: skip
+    monkeypatch.setattr(slow_cases, "SLOW", listed)
+    kept = [_Item("test_other"), _Item("test_swept", mode="plain")]
+    items = [kept[0], _Item("test_listed"), kept[1], _Item("test_swept", mode="other")]
+    config = _Config(full=False)
+    conftest.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert items == kept
+    assert [item.name for item in config.deselected] == ["test_listed", "test_swept"]
+    monkeypatch.setattr(slow_cases, "SLOW", {"test_probe.py": True})  # a whole module
+    assert slow_cases.is_slow(_Item("test_any"))  # type: ignore[arg-type]
+
+
+def test_every_slow_case_names_a_test_there_is() -> None:
+    for key in slow_cases.SLOW:
+        module, _, name = key.partition("::")
+        path = ROOT / "tests" / module
+        assert path.is_file(), f"slow_cases.SLOW names a missing module: {key}"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert not name or name in functions, f"slow_cases.SLOW names a missing test: {key}"
 
 
 @pytest.mark.slow

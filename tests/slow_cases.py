@@ -1,0 +1,145 @@
+"""Which tests run in the full suite only (pytest --full, or GPIPE_FAST_FULL_TESTS=1, as CI
+runs it): the long sweeps, soaks and builds, listed here in one place, each with why.
+
+The fast suite (plain `pytest`) keeps at least one case of every feature and every schedule,
+in one process and across processes: a sweep keeps its first or plainest case, and its other
+cases (more checkpoint modes, cell counts, chunk counts, transports, fault points) run in
+the full suite. A key is a test module ("test_soak.py") or a test ("test_x.py::test_name");
+its rule is True (every case) or a function of the case's parameters (its callspec, by
+argument name) that says which cases are slow. Tests may also carry @pytest.mark.slow
+themselves; tests/conftest.py applies both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+Case = dict[str, Any]
+Rule = bool | Callable[[Case], bool]
+
+
+def _not(**kept: object) -> Callable[[Case], bool]:
+    """Slow unless every named parameter has the value given (a tuple: one of its values)."""
+
+    def slow(case: Case) -> bool:
+        return not all(
+            case.get(name) in (value if isinstance(value, tuple) else (value,))
+            for name, value in kept.items()
+        )
+
+    return slow
+
+
+# A sweep's fast case is its default checkpoint mode ("except_last"), so that every
+# schedule keeps its case; the other modes re-run the same schedule with more or less
+# recomputation.
+DEFAULT_MODE = _not(checkpoint="except_last")
+
+SLOW: dict[str, Rule] = {
+    # Thousands of steps each, watching threads, memory and objects stay flat.
+    "test_soak.py": True,
+    # The C++ unit tests are built and run in the fast suite; under the sanitizers they
+    # build everything a second time.
+    "test_cpp.py::test_cpp_unit_tests_pass_under_asan_and_ubsan": True,
+    # Real transformers models: one model per kind of test in the fast suite.
+    "test_any_model.py::test_one_process_every_schedule_is_exact": _not(
+        name="llama", schedule="1f1b"
+    ),
+    "test_any_model.py::test_more_models_in_one_process_are_exact": _not(name="bert"),
+    "test_any_model.py::test_two_processes_are_exact": _not(name="llama", schedule="1f1b"),
+    "test_any_model.py::test_pipeline_and_data_parallel_with_the_head_tied_across_ranks": True,
+    "test_any_model.py::test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched": (
+        _not(schedule="1f1b")
+    ),
+    # The float64 harness: every schedule on GPT-2 in one process, every model on 1f1b in
+    # one process and on two.
+    "test_exact_models.py::test_one_process": lambda case: (
+        not (case["name"] == "gpt2" or case["schedule"] == "1f1b")
+    ),
+    "test_exact_models.py::test_two_processes": _not(schedule="1f1b"),
+    # One process: every schedule in the default mode; uneven micro-batches for every
+    # schedule, the even batch and N < M on 1f1b.
+    "test_train_step.py::test_loss_and_gradients_equal_the_whole_batch": lambda case: (
+        not (
+            case["checkpoint"] == "except_last"
+            and (case["batch"] == 11 or case["schedule"] == "1f1b")
+        )
+    ),
+    "test_evaluate.py::test_loss_equals_the_whole_batch_and_nothing_learns": lambda case: (
+        not (
+            case["checkpoint"] == "except_last"
+            and (case["batch"] == 11 or case["schedule"] == "1f1b")
+        )
+    ),
+    "test_gpipe.py::test_matches_unpartitioned_module": DEFAULT_MODE,
+    "test_pytree.py::test_train_step_equals_the_plain_model": DEFAULT_MODE,
+    "test_pytree.py::test_pipe_call_and_backward_equal_the_plain_model": DEFAULT_MODE,
+    "test_skip_pipe.py::test_skips_equal_the_plain_sequential": _not(
+        checkpoint="except_last", cells=4
+    ),
+    "test_skip_pipe.py::test_no_skip_tensor_is_held_after_a_step": DEFAULT_MODE,
+    "test_skip_pipe.py::test_unet_in_a_pipe": DEFAULT_MODE,
+    # Faults: every place a fault can strike, at the first micro-batch (a cell's: with
+    # recomputation on, so that it can strike there too; a train_step action's: in the
+    # last cell, which runs every kind of action).
+    "test_faults.py::test_fault_in_a_cell_reaches_caller_and_pipe_recovers": _not(
+        m=0, checkpoint="always"
+    ),
+    "test_faults.py::test_fault_in_a_train_step_action_reaches_caller_and_pipe_recovers": (
+        lambda case: not (case["m"] == 0 and (case["cell"] != 0 or case["where"] == "forward"))
+    ),
+    "test_faults.py::test_fault_in_a_boundary_copy_is_named_as_such": _not(m=0),
+    # Across processes: every schedule on two processes (test_multiprocess.py), one case
+    # of each other feature.
+    "test_multiprocess.py::test_pipeline_and_data_parallel_on_four_processes": _not(
+        schedule="1f1b"
+    ),
+    "test_multiprocess.py::test_evaluation_on_two_processes_every_schedule": _not(
+        schedule=("1f1b", "zbv")
+    ),
+    "test_multiprocess.py::test_a_tied_weight_is_reduced_once_per_group": _not(
+        layout=("dp alone, tie within the process", "pp x dp, tie across ranks")
+    ),
+    "test_multiprocess.py::test_clip_grad_norm_is_the_whole_models": _not(
+        layout="pp x dp, tie across ranks"
+    ),
+    "test_accumulate.py::test_steps_accumulate_across_processes": _not(schedule="1f1b"),
+    "test_skip_processes.py::test_skips_between_two_processes_equal_the_plain_sequential": (
+        lambda case: not (case["schedule"] == "1f1b" or case["scenario"] == "across")
+    ),
+    "test_skip_processes.py::test_every_checkpoint_mode_across_processes": _not(
+        schedule="zbv", checkpoint="always"
+    ),
+    "test_dcp_resume.py::test_resumes_at_pp2_or_dp2": _not(flat=False),
+    "test_dcp_resume.py::test_resumes_in_one_process": _not(flat=False),
+    "test_dcp_resume.py::test_a_checkpoint_of_the_plain_model_resumes_at_pp2": _not(flat=False),
+    "test_killed_rank.py::test_a_killed_rank_of_two_is_named_and_the_survivor_exits": _not(
+        killed=1
+    ),
+    # The demo: every schedule in one process; across processes the two-cells-per-worker
+    # schedules (refused there once) and the example's default.
+    "test_demo.py::test_demo_takes_every_schedule_across_processes": _not(schedule=("1f1b", "zbv")),
+    "test_demo_processes.py::test_every_schedule_trains_across_processes_as_the_plain_model": (
+        _not(schedule="1f1b")
+    ),
+    # examples/train_lm.py: it learns, and a job killed mid-save resumes bitwise by hand;
+    # torchrun's restart in place, the other layouts and schedules in the full suite.
+    "test_train_lm.py::test_a_killed_rank_restarted_in_place_ends_bitwise_equal": True,
+    "test_train_lm.py::test_a_pp2_checkpoint_resumes_at_another_layout": True,
+    "test_train_lm.py::test_other_schedules_bf16_and_clipping_run": True,
+}
+
+
+def is_slow(item: pytest.Item) -> bool:
+    """Whether `item` is in the full suite only, by SLOW."""
+    rule = SLOW.get(item.path.name)
+    if rule is None:
+        name = getattr(item, "originalname", item.name)
+        rule = SLOW.get(f"{item.path.name}::{name}", False)
+    if isinstance(rule, bool):
+        return rule
+    callspec = getattr(item, "callspec", None)
+    return bool(rule(dict(callspec.params) if callspec is not None else {}))
