@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         f"schedule {args.schedule}, M={args.chunks}"
         + (f", {args.cells} processes" if across else ""))  # fmt: skip
     losses = []
+    start = time.perf_counter()
     try:
         for step in range(args.steps):
             noisy, clean = batch(step)
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             if step % 10 == 0 or step == args.steps - 1:
                 say(f"step {step:4d}  loss {losses[-1]:.4f}")
+        seconds = time.perf_counter() - start
         if args.timeline is not None:
             path = args.timeline
             if across:  # each rank's own workers: out.json -> out.rank1.json
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         pipe.close()
         if across:
             dist.destroy_process_group()
+    say(f"trained {args.steps} steps in {seconds:.1f} s")
     say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return 0
 
