@@ -1,5 +1,6 @@
-"""gf.pipeline: unmodified transformers models (LLaMA, GPT-2 with its tied head) pipelined by their
-own forward, exact against the plain model in float64, in one process and across processes."""
+"""gf.pipeline: unmodified transformers models (LLaMA, GPT-2 and Gemma2 with their tied heads,
+Qwen2, BERT, T5) and a vision net pipelined by their own forward, exact against the plain model
+in float64, in one process and across processes."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ def _check(results: list[dict[str, Any]], name: str) -> None:
     """Losses, every gradient and the parameters after the steps equal the plain model's;
     between them the processes cover every parameter, under the model's own names."""
     names: set[str] = set()
+    exact = cases.TOLERANCE.get(name, EXACT)
     for rank, result in enumerate(results):
         for step, got in enumerate(result["steps"]):
             if got["loss"] is not None:
-                assert got["loss"] == pytest.approx(got["plain"], rel=EXACT), (rank, step)
-            assert got["grad_error"] < EXACT, (rank, step, got["grad_error"])
-        assert result["param_error"] < EXACT, rank
+                assert got["loss"] == pytest.approx(got["plain"], rel=exact), (rank, step)
+            assert got["grad_error"] < exact, (rank, step, got["grad_error"])
+        assert result["param_error"] < exact, rank
         names |= set(result["names"])
     plain = cases.make_model(name)
     assert names == {key for key, _ in plain.named_parameters(remove_duplicate=False)}
