@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,41 @@ def test_split_points_by_parameter_count() -> None:
         assert max(cells) / min(cells) < 1.6  # the embedding and head weigh like a block
     finally:
         pipe.close()
+
+
+class _SlowFirst(nn.Module):
+    """Four blocks alike in parameters, the first of which takes far longer to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i == 0 and not isinstance(x, FakeTensor):
+                time.sleep(0.05)
+            x = block(x)
+        return x
+
+
+def test_split_points_by_measured_time() -> None:
+    model, x = _SlowFirst(), torch.randn(2, 4)
+    by_params = gf.pipeline(model, x, num_stages=2)
+    by_time = gf.pipeline(model, x, num_stages=2, split_by="time")
+    try:
+        assert by_params.split_points == ["blocks.2"]
+        assert by_time.split_points == ["blocks.1"]  # the slow block alone
+    finally:
+        by_params.close()
+        by_time.close()
+    with pytest.raises(ValueError, match="split_by must be one of"):
+        gf.pipeline(model, x, num_stages=2, split_by="flops")
+    with pytest.raises(ValueError, match="split_by: it chooses split points"):
+        gf.pipeline(model, x, ["blocks.1"], split_by="time")
+    with torch.device("meta"):
+        meta = _SlowFirst()
+    with pytest.raises(ValueError, match=r"'blocks\.0\.weight' is on the meta device"):
+        gf.pipeline(meta, x, num_stages=2, split_by="time")
 
 
 def test_bad_split_points_are_named() -> None:
