@@ -321,3 +321,33 @@ def test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched(schedu
         assert not fakes and not any(isinstance(b, FakeTensor) for b in model.buffers())
     finally:
         pipe.close()
+
+
+def test_dropout_is_replayed_when_a_stage_recomputes() -> None:
+    # The same seed, the same dropout masks: recomputing a stage in backward draws again
+    # exactly what its forward drew, so checkpointing changes no gradient.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=cases.VOCAB, n_positions=32, n_embd=cases.WIDTH, n_layer=4,
+                        n_head=4, resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).double().train()
+    batch = {"input_ids": cases.tokens(6, 9, 0)}
+    grads, losses = [], []
+    for checkpoint in ("never", "always"):
+        copy_ = copy.deepcopy(model)
+        pipe = gf.pipeline(copy_, {"input_ids": cases.tokens(2, 9, 0)}, ["transformer.h.2"],
+                           devices=["cpu", "cpu"], chunks=3, checkpoint=checkpoint)  # fmt: skip
+        try:
+            torch.manual_seed(7)
+            losses.append(pipe.train_step(batch, batch["input_ids"], cases.any_loss).item())
+            grads.append({k: p.grad.clone() for k, p in copy_.named_parameters()})
+        finally:
+            pipe.close()
+    plain = copy.deepcopy(model).eval()  # without dropout, for contrast
+    assert losses[0] != pytest.approx(cases.any_loss(plain(**batch), batch["input_ids"]).item())
+    assert losses[0] == losses[1]
+    for key, grad in grads[0].items():
+        # Not bitwise: the tied embedding sums its two stages' gradients in either order.
+        assert cases.relative(grads[1][key], grad) < EXACT, key
