@@ -17,16 +17,21 @@ WIDTH = 16
 BLOCKS = 4
 
 
+def _decoder(config_class: Any, model_class: Any) -> nn.Module:
+    """A LLaMA-shaped causal LM of this family: rotary, GQA, 4 blocks."""
+    config = config_class(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                          num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=32)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_class(config).double()
+
+
 def llama() -> nn.Module:
     """LlamaForCausalLM: rotary cos/sin computed once and taken by every layer, GQA."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                         num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).double()
+    return _decoder(LlamaConfig, LlamaForCausalLM)
 
 
 def gpt2() -> nn.Module:
@@ -45,12 +50,7 @@ def qwen2() -> nn.Module:
     """Qwen2ForCausalLM (Mistral's layout: GQA, rotary, biases on q, k, v)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                         num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).double()
+    return _decoder(Qwen2Config, Qwen2ForCausalLM)
 
 
 def bert() -> nn.Module:
