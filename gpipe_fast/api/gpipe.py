@@ -224,7 +224,8 @@ class GPipe(nn.Module):
             stages = [layer for cell in local for layer in cell.children()]
             self._merged_stages = state_dict.MergedStages(stages)
             for cell in local:  # torch.distributed.checkpoint leaves the stage's name out
-                cell.__dict__["_fqn_modifiers"] = partial(dict, ((n, n) for n in cell._modules))
+                # (of a dict, copied at each call: a generator would be spent by the first)
+                cell.__dict__["_fqn_modifiers"] = partial(dict, {n: n for n in cell._modules})
         state_dict.register(self)
 
         # Processes of a multi-process pipe share the host's cores: every rank learns the
