@@ -46,15 +46,19 @@ def register(pipe: nn.Module, names: PipeNames) -> None:
     _pipes[pipe] = names
 
 
-def tie_copy_names(ties: Iterable[Any], is_local: Callable[[int], bool]) -> dict[str, str]:
+def tie_copy_names(
+    ties: Iterable[Any], is_local: Callable[[int], bool], model_key: Callable[[str], str]
+) -> dict[str, str]:
     """For each tie (gpipe_fast.nn.tied.Tie) whose first place is another rank's: the name
-    this rank gives it (its first place here, as named_parameters() has it) -> the first."""
+    this rank gives it (its first place here, as named_parameters() has it) -> the first.
+    `model_key` turns a place's name in its cell into the model's key (with transparent
+    layers the cell's own layer, a stage, is no part of it)."""
     names = {}
     for tie in ties:
         first_cell, first_name = tie.places[0]
         here = [name for cell, name in tie.places if is_local(cell)]
         if here and not is_local(first_cell):
-            names[here[0]] = first_name
+            names[model_key(here[0])] = model_key(first_name)
     return names
 
 
