@@ -93,10 +93,11 @@ def build_model(name: str, blocks: int = 4) -> nn.Module:
                                max_position_embeddings=32)  # fmt: skip
         kind = tf.BertForMaskedLM
     elif name == "t5":
-        config = tf.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_kv=4, d_ff=2 * WIDTH,
-                             num_layers=blocks // 2, num_decoder_layers=blocks // 2,
-                             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
-                             pad_token_id=0, use_cache=False)  # fmt: skip
+        options: dict[str, Any] = dict(
+            vocab_size=VOCAB, d_model=WIDTH, d_kv=4, d_ff=2 * WIDTH, num_layers=blocks // 2,
+            num_decoder_layers=blocks // 2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, use_cache=False)  # fmt: skip
+        config = tf.T5Config(**options)
         kind = tf.T5ForConditionalGeneration
     else:
         raise ValueError(f"model: one of {MODELS}, got {name!r}")
@@ -236,20 +237,25 @@ def compare(contender: Contender, plain: nn.Module, batch: dict[str, Tensor], ta
     want = logits_loss(plain(**batch), target)
     want.backward()
     reference = dict(plain.named_parameters(remove_duplicate=False))
-    floor = 1e-6 * torch.stack([p.grad.norm() for p in plain.parameters()]).norm().item()
+    wants = {key: _grad(param) for key, param in reference.items()}
+    floor = 1e-6 * torch.stack([want.norm() for want in wants.values()]).norm().item()
     errors: dict[str, float] = {}
     missing, unknown = [], []
     for key, param in contender.named_parameters():
         if key not in reference:
             unknown.append(key)  # a name the plain model does not have
         elif param.grad is None:
-            if reference[key].grad.norm() > 0:
+            if wants[key].norm() > 0:
                 missing.append(key)  # this rank's copy of it got no gradient
         else:
-            errors[key] = relative(param.grad, reference[key].grad, floor)
+            errors[key] = relative(param.grad, wants[key], floor)
     loss_error = None if loss is None else abs(loss.item() - want.item()) / abs(want.item())
     return {"status": "ok", "loss_error": loss_error, "grad_errors": errors,
             "no_gradient": missing, "unknown_names": unknown}  # fmt: skip
+
+
+def _grad(param: Tensor) -> Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
 class Coordinator:
@@ -397,7 +403,7 @@ class _Head(nn.Module):
         return self.head(self.norm(hidden))
 
 
-def as_sequential(model: nn.Module) -> nn.Sequential:
+def as_sequential(model: Any) -> nn.Sequential:
     """The LLaMA's own modules as an nn.Sequential computing the same logits."""
     inner: Any = model.model
     layers = [_Layer(layer, copy.deepcopy(inner.rotary_emb)) for layer in inner.layers]
@@ -445,7 +451,8 @@ def timing_contenders(rank: int, size: dict[str, Any], batch: dict[str, Tensor],
     def sequential_step() -> Tensor | None:
         torch.set_num_threads(1)
         optimizer.zero_grad(set_to_none=True)
-        loss = pipe.train_step(batch["input_ids"] if rank == 0 else None, target, logits_loss)
+        ids = batch["input_ids"] if rank == 0 else None  # other ranks read no input
+        loss = pipe.train_step(ids, target, logits_loss)  # type: ignore[arg-type]
         optimizer.step()
         return loss if last else None
 
