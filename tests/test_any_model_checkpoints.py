@@ -161,3 +161,32 @@ def test_a_meta_built_model_gets_memory_for_this_ranks_stages_only(
         else:  # _init_weights' own draws: a finite loss near uniform over the vocabulary
             assert all(abs(loss - torch.log(torch.tensor(31.0)).item()) < 0.5
                        for loss in got["losses"])  # fmt: skip
+
+
+def test_a_weight_with_several_names_keeps_the_plain_models_optimizer_key() -> None:
+    # T5's `shared` embedding is also encoder.embed_tokens, decoder.embed_tokens and lm_head:
+    # the pipe meets it first as encoder.embed_tokens, the plain model as shared.
+    model = any_model_cases.t5()
+    plain = any_model_cases.t5()
+    pipe = gf.pipeline(model, any_model_cases.inputs("t5", 2, 8, 0),
+                       any_model_cases.split_points("t5", 3), devices=["cpu"] * 3)  # fmt: skip
+    try:
+        opt, plain_opt = cases.optimizer(pipe), cases.optimizer(plain)
+        for step in range(2):
+            cases.step_pipe(pipe, opt, "t5", step)
+            cases.step_plain(plain, plain_opt, "t5", step)
+        model_state, optim_state = get_state_dict(pipe, opt)
+        plain_model_state, plain_optim_state = get_state_dict(plain, plain_opt)
+        assert set(model_state) == set(plain_model_state)
+        assert set(optim_state["state"]) == set(plain_optim_state["state"])
+        assert "shared.weight" in optim_state["state"]
+        # The pipe's optimizer state is the plain model's, and goes back into the pipe.
+        for key, state in plain_optim_state["state"].items():
+            got = optim_state["state"][key]["exp_avg"]
+            assert any_model_cases.relative(got, state["exp_avg"]) < EXACT, key
+        fresh = cases.optimizer(pipe)
+        set_state_dict(pipe, fresh, model_state_dict=model_state, optim_state_dict=optim_state)
+        shared = model.shared.weight
+        assert torch.equal(fresh.state[shared]["exp_avg"], opt.state[shared]["exp_avg"])
+    finally:
+        pipe.close()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_fast.api import optim_state
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plan import Plan
@@ -33,10 +34,20 @@ class ModelPipe(GPipe):
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
 
     def __init__(self, model: nn.Module, plan: Plan, split_points: list[str], **kwargs: Any):
+        # Each parameter's first name in the model: what the plain model's optimizer state
+        # is keyed by (taken now, before materialising can replace a parameter).
+        first_names: dict[int, str] = {}
+        aliases = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases[name] = first_names.setdefault(id(param), name)
         cells = stage_cells(model, plan)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
         super().__init__(module, [1] * plan.stages, **kwargs)
+        optim_state.rename_parameters(self, {
+            name: aliases[name] for name, _ in self.named_parameters()
+            if aliases.get(name, name) != name
+        })  # fmt: skip
         self.split_points = list(split_points)
         self._plan = plan
         self.__dict__["_first_stage"] = first

@@ -46,6 +46,19 @@ def register(pipe: nn.Module, names: PipeNames) -> None:
     _pipes[pipe] = names
 
 
+def rename_parameters(pipe: nn.Module, rename: dict[str, str]) -> None:
+    """Keys the optimizer state of `pipe`'s parameters named in `rename` by the plain model's
+    names for them (a pipe of any model meets a parameter with several names, T5's shared
+    embedding say, at another of its names first than the model does)."""
+    if not rename:
+        return
+    names = _pipes.get(pipe)
+    if names is None:  # one process: nothing to gather
+        register(pipe, PipeNames(dict(rename), gather=lambda value: [value], ranks=[0]))
+    else:
+        names.plain_names.update(rename)
+
+
 def tie_copy_names(
     ties: Iterable[Any], is_local: Callable[[int], bool], model_key: Callable[[str], str]
 ) -> dict[str, str]:
