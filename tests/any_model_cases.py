@@ -17,16 +17,21 @@ WIDTH = 16
 BLOCKS = 4
 
 
+def _decoder(config_class: Any, model_class: Any) -> nn.Module:
+    """A LLaMA-shaped causal LM of this family: rotary, GQA, 4 blocks."""
+    config = config_class(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                          num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=32)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return model_class(config).double()
+
+
 def llama() -> nn.Module:
     """LlamaForCausalLM: rotary cos/sin computed once and taken by every layer, GQA."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                         num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).double()
+    return _decoder(LlamaConfig, LlamaForCausalLM)
 
 
 def gpt2() -> nn.Module:
@@ -45,12 +50,7 @@ def qwen2() -> nn.Module:
     """Qwen2ForCausalLM (Mistral's layout: GQA, rotary, biases on q, k, v)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                         num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32)  # fmt: skip
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).double()
+    return _decoder(Qwen2Config, Qwen2ForCausalLM)
 
 
 def bert() -> nn.Module:
@@ -76,6 +76,21 @@ def t5() -> nn.Module:
                       decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     return T5ForConditionalGeneration(config).double()
+
+
+def gemma2() -> nn.Module:
+    """Gemma2ForCausalLM: the head tied to the embedding, sliding-window layers between
+    global ones, logits soft-capped; its norms and softmax compute in float32 even in a
+    float64 model (see TOLERANCE)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                          num_hidden_layers=BLOCKS, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=4, max_position_embeddings=32, sliding_window=8,
+                          tie_word_embeddings=True)  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config).double()
 
 
 class VisionNet(nn.Module):
@@ -107,11 +122,14 @@ def vision() -> nn.Module:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "gpt2": gpt2}
 MORE_MODELS: dict[str, Callable[[], nn.Module]] = {
-    "qwen2": qwen2, "bert": bert, "t5": t5, "vision": vision,
+    "qwen2": qwen2, "bert": bert, "t5": t5, "vision": vision, "gemma2": gemma2,
 }  # fmt: skip
+# Relative tolerances where the model computes in float32 inside a float64 model: there the
+# plain model itself differs by about 1e-7 between the whole batch and its micro-batches.
+TOLERANCE = {"gemma2": 1e-6}
 BLOCK_NAMES = {
     "llama": "model.layers", "gpt2": "transformer.h", "qwen2": "model.layers",
-    "bert": "bert.encoder.layer", "vision": "blocks",
+    "bert": "bert.encoder.layer", "vision": "blocks", "gemma2": "model.layers",
 }  # fmt: skip
 
 

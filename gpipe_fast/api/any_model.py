@@ -10,9 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from gpipe_fast.api import optim_state
 from gpipe_fast.api.gpipe import GPipe
-from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks, split_by_params
+from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
 from gpipe_fast.capture.stage import stage_cells
 from gpipe_fast.planning.balance import partition
 from gpipe_fast.schedule.registry import schedule_kind
@@ -32,10 +34,20 @@ class ModelPipe(GPipe):
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
 
     def __init__(self, model: nn.Module, plan: Plan, split_points: list[str], **kwargs: Any):
+        # Each parameter's first name in the model: what the plain model's optimizer state
+        # is keyed by (taken now, before materialising can replace a parameter).
+        first_names: dict[int, str] = {}
+        aliases = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            aliases[name] = first_names.setdefault(id(param), name)
         cells = stage_cells(model, plan)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
         super().__init__(module, [1] * plan.stages, **kwargs)
+        optim_state.rename_parameters(self, {
+            name: aliases[name] for name, _ in self.named_parameters()
+            if aliases.get(name, name) != name
+        })  # fmt: skip
         self.split_points = list(split_points)
         self._plan = plan
         self.__dict__["_first_stage"] = first
@@ -99,6 +111,7 @@ def pipeline(
     split_points: Sequence[str] | None = None,
     *,
     num_stages: int | None = None,
+    split_by: str | None = None,
     **kwargs: Any,
 ) -> ModelPipe:
     """Any ``nn.Module`` as a pipe, exact: the model's own forward runs on every stage, the
@@ -110,8 +123,10 @@ def pipeline(
     positional arguments, or a dict of keyword arguments. ``split_points`` are the names of
     the modules where a new stage begins, in the order the forward calls them; None picks
     them among the model's repeated blocks (``model.layers.3``, ``transformer.h.5``, ...)
-    balancing parameter counts over ``num_stages`` stages (default: one per rank of
-    ``pp_group``, two with zbv; in one process, one per device). Every other keyword is
+    over ``num_stages`` stages (default: one per rank of ``pp_group``, two with zbv; in one
+    process, one per device), balancing their parameter counts, or with
+    ``split_by="time"`` their forward times measured on ``example_inputs`` (the model runs
+    for real, in evaluation mode without gradients). Every other keyword is
     :class:`GPipe`'s (``devices``, ``chunks``, ``checkpoint``, ``schedule``, ``pp_group``,
     ``dp_group``, ``timeout``, ``init_fn``, ...) except ``balance``, which split points
     replace. ``pipe.split_points`` lists the ones in use."""
@@ -121,7 +136,11 @@ def pipeline(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if split_points is None:
         stages = num_stages if num_stages is not None else _default_stages(kwargs)
-        split_points = split_by_params(model, example_inputs, stages, partition)
+        split_points = choose_split_points(
+            model, example_inputs, stages, partition, split_by or SPLIT_BY[0]
+        )
+    elif split_by is not None:
+        raise ValueError("split_by: it chooses split points, but split_points are given")
     elif isinstance(split_points, str):
         raise TypeError("split_points takes a list of module names, like [name], not one str")
     elif num_stages is not None and num_stages != len(split_points) + 1:

@@ -226,7 +226,8 @@ class GPipe(nn.Module):
             stages = [layer for cell in local for layer in cell.children()]
             self._merged_stages = state_dict.MergedStages(stages)
             for cell in local:  # torch.distributed.checkpoint leaves the stage's name out
-                cell.__dict__["_fqn_modifiers"] = partial(dict, ((n, n) for n in cell._modules))
+                # (of a dict, copied at each call: a generator would be spent by the first)
+                cell.__dict__["_fqn_modifiers"] = partial(dict, {n: n for n in cell._modules})
         state_dict.register(self)
 
         # Processes of a multi-process pipe share the host's cores: every rank learns the
@@ -271,10 +272,15 @@ class GPipe(nn.Module):
             # whatever rank holds a layer: a tied weight under its first name, and (without
             # the flatten option) every rank's parameters in param_groups.
             optim_state.register(self, optim_state.PipeNames(
-                plain_names=optim_state.tie_copy_names(ties, layout.is_local),
+                plain_names=optim_state.tie_copy_names(ties, layout.is_local, self._place_key),
                 gather=partial(optim_state.gather_over_pipeline, self._pipeline.groups),
                 ranks=layout.pp_ranks,
             ))  # fmt: skip
+
+    def _place_key(self, name: str) -> str:
+        """A tensor's name in its cell ("<layer>.<name>") as the model's key: with
+        transparent layers the layer (a stage) is left out, as in state_dict()."""
+        return name.split(".", 1)[1] if self._transparent_layers else name
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

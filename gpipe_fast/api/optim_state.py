@@ -46,15 +46,32 @@ def register(pipe: nn.Module, names: PipeNames) -> None:
     _pipes[pipe] = names
 
 
-def tie_copy_names(ties: Iterable[Any], is_local: Callable[[int], bool]) -> dict[str, str]:
+def rename_parameters(pipe: nn.Module, rename: dict[str, str]) -> None:
+    """Keys the optimizer state of `pipe`'s parameters named in `rename` by the plain model's
+    names for them (a pipe of any model meets a parameter with several names, T5's shared
+    embedding say, at another of its names first than the model does)."""
+    if not rename:
+        return
+    names = _pipes.get(pipe)
+    if names is None:  # one process: nothing to gather
+        register(pipe, PipeNames(dict(rename), gather=lambda value: [value], ranks=[0]))
+    else:
+        names.plain_names.update(rename)
+
+
+def tie_copy_names(
+    ties: Iterable[Any], is_local: Callable[[int], bool], model_key: Callable[[str], str]
+) -> dict[str, str]:
     """For each tie (gpipe_fast.nn.tied.Tie) whose first place is another rank's: the name
-    this rank gives it (its first place here, as named_parameters() has it) -> the first."""
+    this rank gives it (its first place here, as named_parameters() has it) -> the first.
+    `model_key` turns a place's name in its cell into the model's key (with transparent
+    layers the cell's own layer, a stage, is no part of it)."""
     names = {}
     for tie in ties:
         first_cell, first_name = tie.places[0]
         here = [name for cell, name in tie.places if is_local(cell)]
         if here and not is_local(first_cell):
-            names[here[0]] = first_name
+            names[model_key(here[0])] = model_key(first_name)
     return names
 
 

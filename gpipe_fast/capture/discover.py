@@ -11,8 +11,8 @@ atom that another stage computes becomes a route from that stage (its producer) 
 from __future__ import annotations
 
 import bisect
-import weakref
 import copy
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -444,42 +444,3 @@ def _finish(plan: Plan, calls_before_op: dict[int, int]) -> None:
             reach = plan.reach(route.capture)
             plan.last_needed[route.producer] = max(plan.last_needed[route.producer], reach)
     plan.last_needed[-1] = len(plan.calls)
-
-
-def split_by_params(
-    model: nn.Module,
-    example: Any,
-    stages: int,
-    partition: Callable[[list[float], int], list[int]],
-) -> list[str]:
-    """Split points for `stages` stages among the model's repeated blocks, balancing their
-    parameter counts (what the forward calls before the first block goes with it, the rest
-    with the last): `partition(costs, k)` gives the blocks per stage."""
-    if not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"num_stages must be a positive int, got {stages!r}")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = planning_copy(model, mode)
-    with mode:
-        events = _record(model, pytree.tree_map_only(Tensor, mode.from_tensor, as_inputs(example)))
-    blocks = {id(model.get_submodule(name)): name for name in repeated_blocks(model)}
-    order = list(dict.fromkeys(blocks[id(e.module)] for e in events if id(e.module) in blocks))
-    if stages == 1:
-        return []
-    if len(order) < stages:
-        raise ValueError(
-            f"num_stages={stages}: the model's forward calls {len(order)} repeated blocks "
-            f"({', '.join(order) or 'none'}); give split_points yourself"
-        )
-    in_blocks = {id(p) for name in order for p in model.get_submodule(name).parameters()}
-    first = next(e.start for e in events if blocks.get(id(e.module)) == order[0])
-    early = {id(p): p for e in events[:first] for p in e.module.parameters(recurse=False)}
-    before = sum(p.numel() for key, p in early.items() if key not in in_blocks)
-    rest = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
-    costs = [float(sum(p.numel() for p in model.get_submodule(n).parameters())) for n in order]
-    costs[0] += before
-    costs[-1] += rest - before
-    points, at = [], 0
-    for size in partition(costs, stages)[:-1]:
-        at += size
-        points.append(order[at])
-    return points

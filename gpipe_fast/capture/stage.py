@@ -74,26 +74,46 @@ class _Placeholders:
         key = (call, tuple(_describe(leaf) for leaf in leaves))
         found = self._outputs.get(key)
         if found is None:
-            fakes = [self.mode.from_tensor(t) if _real(t) else t for t in leaves]
-            args, kwargs = pytree.tree_unflatten(fakes, spec)
+            stand_in = _stand_in_device(module, leaves)
             if getattr(forward, "__self__", None) is module:  # the module's own method
                 forward = types.MethodType(forward.__func__, self._shadow(module))  # type: ignore[attr-defined]
             with self.mode, torch.no_grad():
+                fakes = [self.mode.from_tensor(t) if _real(t) else t for t in leaves]
+                if stand_in is not None:  # all on meta, as the module's own tensors are
+                    fakes = [t.to("meta") if isinstance(t, Tensor) else t for t in fakes]
+                args, kwargs = pytree.tree_unflatten(fakes, spec)
                 out = forward(*args, **kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
-            found = self._outputs[key] = (
-                [_describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves],
-                out_spec,
-            )
+            described = [
+                _describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves
+            ]
+            if stand_in is not None:  # what the glue would get from that stage: on this one's
+                described = [(d[0], d[1], stand_in) if _is_tensor_description(d) else d
+                             for d in described]  # fmt: skip
+            found = self._outputs[key] = (described, out_spec)
         described, out_spec = found
         with self.mode:
             made = [
-                torch.empty(d[0], dtype=d[1], device=d[2])
-                if isinstance(d, tuple) and len(d) == 3 and isinstance(d[1], torch.dtype)
-                else d
+                torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d) else d
                 for d in described
             ]
         return pytree.tree_unflatten(made, out_spec)
+
+
+def _is_tensor_description(described: Any) -> bool:
+    return (isinstance(described, tuple) and len(described) == 3
+            and isinstance(described[1], torch.dtype))  # fmt: skip
+
+
+def _stand_in_device(module: nn.Module, leaves: list[Any]) -> torch.device | None:
+    """Where the placeholders of `module` go when it still lies on the meta device (a module
+    of another process's stage, never given memory here) and is called with this stage's
+    tensors: on their device, as the values that stage sends would be; else None."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return None
+    devices = [leaf.device for leaf in leaves if isinstance(leaf, Tensor) and not leaf.is_meta]
+    return devices[0] if devices else None
 
 
 def _real(leaf: Any) -> bool:

@@ -403,7 +403,9 @@ TEST(executor_abandons_a_stuck_task_and_refuses_further_runs) {
     Executor executor(2, sync, [exited] { ++*exited; });
     const auto s = shared(gpipe_fast::gpipe_forward(2, 1));
     RunControl control;
-    control.timeout_s = 0.02;
+    // Long enough for cell 1's worker to be waiting by then on a loaded machine (at 20 ms
+    // it sometimes had not been scheduled yet, and the message could not name its wait).
+    control.timeout_s = 0.3;
     control.poll = std::chrono::milliseconds(5);
     control.patience = std::chrono::milliseconds(20);
     std::string message;
