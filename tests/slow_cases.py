@@ -51,6 +51,20 @@ SLOW: dict[str, Rule] = {
     "test_any_model.py::test_more_models_in_one_process_are_exact": _not(name="bert"),
     "test_any_model.py::test_two_processes_are_exact": _not(name="llama", schedule="1f1b"),
     "test_any_model.py::test_pipeline_and_data_parallel_with_the_head_tied_across_ranks": True,
+    # Checkpoints of any model: GPT-2 (its head tied across the ranks) in the fast suite.
+    "test_any_model_checkpoints.py::test_state_dicts_use_the_models_own_keys": _not(model="gpt2"),
+    "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_in_the_plain_model": _not(
+        model="gpt2"
+    ),
+    "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_at_another_split": _not(
+        model="gpt2"
+    ),
+    "test_any_model_checkpoints.py::test_the_whole_models_state_dict_loads_on_each_rank": _not(
+        model="gpt2"
+    ),
+    "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_at_pp2_by_dp2": True,
+    # bench/any_model.py at toy size: both libraries across two processes.
+    "test_bench_any_model.py": True,
     "test_any_model.py::test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched": (
         _not(schedule="1f1b")
     ),
@@ -149,6 +163,10 @@ SLOW: dict[str, Rule] = {
     # hand or by torchrun's restart in place, the other layouts and schedules in the full
     # suite.
     "test_train_lm.py::test_a_job_killed_mid_save_relaunched_by_hand_ends_bitwise_equal": True,
+    # examples/train_hf.py resumed at pp2 and in one process under torchrun (38 s on 2
+    # cores); checkpoints of pipes of any model keep their fast cases in
+    # test_any_model_checkpoints.py.
+    "test_train_hf.py": True,
     "test_train_lm.py::test_a_killed_rank_restarted_in_place_ends_bitwise_equal": True,
     "test_train_lm.py::test_a_pp2_checkpoint_resumes_at_another_layout": True,
     "test_train_lm.py::test_other_schedules_bf16_and_clipping_run": True,
