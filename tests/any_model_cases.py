@@ -238,16 +238,10 @@ def across(
 ) -> dict[str, Any]:  # fmt: skip
     """A Cluster case: train_against_plain on `world` processes, `pp` per pipeline and the
     rest data-parallel replicas (a (dp, pp) mesh)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from dist_cases import groups
 
     dp = world // pp
-    if dp == 1:
-        pp_group, dp_group, replica = dist.group.WORLD, None, 0
-    else:
-        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-        pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        replica = mesh.get_coordinate()[0]  # type: ignore[index]
+    pp_group, dp_group, replica = groups(pp, dp)
 
     def make(net: nn.Module, example: dict[str, Tensor]) -> Any:
         return gf.pipeline(net, example, split_points(model, stages), chunks=3,
