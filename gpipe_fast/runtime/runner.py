@@ -66,28 +66,30 @@ class Runner:
     def execute(self, schedule: Any, step: Step, phase: str) -> None:
         """One run of `schedule`, each task dispatched to `step`."""
         with self._lock:
-            own = None
             try:
-                self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
-            except PeerFailure:
-                # A wait that ended because a task of this rank failed (its rings closed,
-                # its failure in the store) may reach the executor before that task's own
-                # error does: the task's error is the step's.
-                own = step.own_error
-                if own is None:
-                    step.release()
-                    raise
+                self._run(schedule, step)
             except BaseException:
                 step.release()
                 raise
-            if own is not None:
-                step.release()
-                raise own
             if step.spans is not None and self.recording:
                 step.spans[phase] = (schedule, self.executor.last_spans())
                 self.recorded = step.spans
                 if phase != "step":  # pipe(x): the caller's loss lies inside the step
                     self.recorded_call_s = 0.0
+
+    def _run(self, schedule: Any, step: Step) -> None:
+        own = None
+        try:
+            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
+        except PeerFailure:
+            # A wait that ended because a task of this rank failed (its rings closed, its
+            # failure in the store) may reach the executor before that task's own error
+            # does: the task's error is the step's.
+            own = step.own_error
+            if own is None:
+                raise
+        if own is not None:
+            raise own
 
     def committed(self, run: Callable[[], Any]) -> Any:
         """Runs `run()` under the run lock and folds deferred BatchNorm statistics in after
