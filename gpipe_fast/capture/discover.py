@@ -87,14 +87,18 @@ class _Recorder:
         event.output = output
 
 
+def fake_memo(model: nn.Module, mode: FakeTensorMode) -> dict[int, Any]:
+    """A deepcopy memo that copies each of the model's parameters and buffers as `mode`'s
+    fake tensor: a module copied with it computes shapes alone, and writes only to itself."""
+    return {id(t): mode.from_tensor(t) for t in [*model.parameters(), *model.buffers()]}
+
+
 def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     """A copy of `model` whose parameters and buffers are `mode`'s fake tensors, to run its
     forward for shapes: what the forward writes (a BatchNorm's count of batches, any
     attribute) lands in the copy, never in the model. The copy has the model's names."""
-    tensors = [*model.parameters(), *model.buffers()]
-    memo: dict[int, Any] = {id(t): mode.from_tensor(t) for t in tensors}
     try:
-        return copy.deepcopy(model, memo)
+        return copy.deepcopy(model, fake_memo(model, mode))
     except Exception as error:
         raise TypeError(
             f"gpipe_fast.pipeline plans on a copy of the model (so that running its forward "

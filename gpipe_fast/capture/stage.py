@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from gpipe_fast.capture.discover import fake_memo
 from gpipe_fast.capture.dispatch import install, viewing
 from gpipe_fast.capture.plan import Plan
 from gpipe_fast.skip.skippable import pop, skippable, stash
@@ -62,8 +63,7 @@ class _Placeholders:
         shadow = self._shadows.get(id(module))
         if shadow is None:
             if self._memo is None:
-                tensors = [*self._model.parameters(), *self._model.buffers()]
-                self._memo = {id(t): self.mode.from_tensor(t) for t in tensors}
+                self._memo = fake_memo(self._model, self.mode)
             shadow = self._shadows[id(module)] = copy.deepcopy(module, self._memo)
         return shadow
 
