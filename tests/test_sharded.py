@@ -3,8 +3,10 @@ against the plain model on the whole batch, for every schedule and policy."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import dcp_cases
 import dist_cases
 import pytest
 import torch
@@ -117,3 +119,90 @@ def test_collectives_per_step_follow_the_formula(
         expected = _expected(schedule, checkpoint, sync, free, chunks, got["units"],
                              got["first_stage"])  # fmt: skip
         assert (got["all_gather"], got["reduce_scatter"]) == expected, (rank, got)
+
+
+def _reference_optimized(
+    sizes: list[int], max_norm: float
+) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """The plain model through the same clipped AdamW steps: the norms, the parameters, the
+    loss of the evaluation batch."""
+    net = dist_cases.model(4)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    norms = []
+    for step, size in enumerate(sizes):
+        x, y = dist_cases.batch(size, seed=100 + step)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(net(x), y).backward()
+        norms.append(nn.utils.clip_grad_norm_(net.parameters(), max_norm).item())
+        opt.step()
+    x, y = dist_cases.batch(9, seed=7)
+    with torch.no_grad():
+        evaluated = nn.functional.mse_loss(net(x), y).item()
+    return norms, dict(net.named_parameters()), evaluated
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "scaler"), [("1f1b", 2, False), ("zbv", 2, True), ("gpipe", 1, True)]
+)
+def test_clip_scaler_optimizer_and_eval_on_shards(
+    two: Cluster, four: Cluster, schedule: str, pp: int, scaler: bool
+) -> None:
+    # The norm covers every shard on every rank; AdamW steps on shards (its state 1/dp per
+    # rank) give the plain model's parameters; eval_step leaves every unit sharded.
+    sizes, max_norm = [12, 10], 0.05
+    cluster = four if pp == 2 else two
+    results = values(cluster.run("sharded_cases.optimize", schedule=schedule, pp=pp, dp=2,
+                                 sizes=sizes, max_norm=max_norm, scaler=scaler))  # fmt: skip
+    norms, params, evaluated = _reference_optimized(sizes, max_norm)
+    assert all(n > max_norm for n in norms)  # the clip did something
+    for rank, got in enumerate(results):
+        assert got["norms"] == pytest.approx(norms, rel=1e-10), rank
+        assert got["eval"] == pytest.approx(evaluated, rel=1e-10), rank
+        assert got["gathered_after_eval"] == [], rank
+        for name, value in got["params"].items():
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), params[name],
+                                       rtol=1e-9, atol=1e-12, msg=f"rank {rank}, {name}")  # fmt: skip
+        for name, local in got["state"].items():
+            assert local <= -(-params[name].numel() // 2) + dist_cases.WIDTH, (name, local)
+
+
+@pytest.mark.parametrize(("schedule", "sync"), [("1f1b", "per_microbatch"), ("zbv", "per_step")])
+def test_gradients_accumulate_across_steps(four: Cluster, schedule: str, sync: str) -> None:
+    # No zero_grad between steps: each shard holds the sum of the steps' gradients, as the
+    # plain model's .grad does.
+    cells = 4 if schedule == "zbv" else 2
+    sizes = [12, 9]
+    results = _train(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
+                     checkpoint="never", batches=sizes, pp=2, dp=2, sync=sync,
+                     zero_grad=False)  # fmt: skip
+    _check(results, 4, sizes, dp=2, accumulate=True)
+
+
+def _uninterrupted() -> dcp_cases.Snapshot:
+    net = dist_cases.model(4, seed=0)
+    opt = dcp_cases.optimizer(net)
+    dcp_cases.train(net, opt, dcp_cases.plain_step, range(dcp_cases.SAVED_AFTER + 1))
+    return dcp_cases.snapshot(net, opt)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["default", "flatten"])
+def test_a_sharded_checkpoint_resumes_in_every_layout(
+    two: Cluster, four: Cluster, tmp_path: Path, flat: bool
+) -> None:
+    # Saved at pp=2 x sharded dp=2 under the model's own keys; resumed at pp=2 alone,
+    # at sharded dp=4, at replicated dp=2 and in the plain model: one more step there equals
+    # the run never interrupted (parameters, AdamW moments and step, group settings).
+    path = str(tmp_path / "sharded")
+    keys = values(four.run("sharded_cases.dcp_saved", path=path, flat=flat, pp=2, shard=True))
+    assert set(keys[0]) | set(keys[1]) == set(dist_cases.model(4).state_dict())
+    expected = _uninterrupted()
+    for cluster, pp, shard in ((two, 2, False), (four, 1, True), (two, 1, False)):
+        replies = values(cluster.run("sharded_cases.dcp_resumed", path=path, flat=flat, pp=pp,
+                                     shard=shard))  # fmt: skip
+        dcp_cases.assert_resumed(replies, expected)
+    net = dist_cases.model(4, seed=99)
+    opt = dcp_cases.optimizer(net)
+    dcp_cases.load(net, opt, path, flat)
+    after = dcp_cases.SAVED_AFTER
+    dcp_cases.train(net, opt, dcp_cases.plain_step, range(after, after + 1))
+    dcp_cases.assert_resumed([dcp_cases.snapshot(net, opt)], expected)

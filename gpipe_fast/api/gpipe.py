@@ -480,6 +480,7 @@ class GPipe(nn.Module):
         however many cells and ranks hold it, and ``dp_group`` replicas (whose gradients
         are already summed) count once. Across processes it costs one all-reduce of a few
         numbers over ``pp_group``; call it on every rank, after the step's backward.
+        With ``dp_shard`` the shards of every replica count, over ``dp_group`` too.
         ``norm_type`` is a number > 0 or ``"inf"``; ``max_norm <= 0`` or another norm raises
         ValueError."""
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
@@ -489,7 +490,7 @@ class GPipe(nn.Module):
         return clip_grad_norm_(
             self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach,
             counted_elsewhere=tied.counted_elsewhere() if tied else set(),
-            reduce=groups.reduce_over_pipeline if groups is not None else None,
+            reduce=_norm_reduce(pipeline, groups),
             device=groups.device if groups is not None else torch.device("cpu"),
         )  # fmt: skip
 
@@ -751,3 +752,11 @@ def _skip_layout(cells: Sequence[nn.Sequential]) -> SkipLayout | None:
     (None when no skip is stashed and popped)."""
     layout = inspect_skip_layout(cells)
     return layout if layout.routes else None
+
+
+def _norm_reduce(pipeline: Pipeline | None, groups: Any) -> Any:
+    """How a gradient norm's shares are combined: over the pipeline group, and over the
+    data-parallel group too when each replica holds a shard of the gradients."""
+    if groups is None or pipeline is None:
+        return None
+    return groups.reduce_over_all if pipeline.sharding is not None else groups.reduce_over_pipeline
