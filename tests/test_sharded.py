@@ -160,8 +160,9 @@ def test_clip_scaler_optimizer_and_eval_on_shards(
         assert got["eval"] == pytest.approx(evaluated, rel=1e-10), rank
         assert got["gathered_after_eval"] == [], rank
         for name, value in got["params"].items():
-            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), params[name],
-                                       rtol=1e-9, atol=1e-12, msg=f"rank {rank}, {name}")  # fmt: skip
+            got_param = torch.tensor(value, dtype=torch.float64)
+            message = f"rank {rank}, {name}"
+            torch.testing.assert_close(got_param, params[name], rtol=1e-9, atol=1e-12, msg=message)
         for name, local in got["state"].items():
             assert local <= -(-params[name].numel() // 2) + dist_cases.WIDTH, (name, local)
 
