@@ -186,6 +186,11 @@ def relative(got: Tensor, want: Tensor, floor: float = 0.0) -> float:
     return (got - want).norm().item() / scale if scale else (got - want).norm().item()
 
 
+def whole(tensor: Any) -> Tensor:
+    """A tensor whole: a shard (DTensor, dp_shard) gathered."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def train_against_plain(
     name: str,
     make_pipe: Callable[[nn.Module, dict[str, Tensor]], Any],
@@ -217,14 +222,14 @@ def train_against_plain(
             scale = torch.stack([p.grad.norm() for p in plain.parameters() if p.grad is not None])
             floor = 1e-6 * scale.norm().item()
             for key, param in pipe.named_parameters(remove_duplicate=False):
-                worst = max(worst, relative(param.grad, reference[key].grad, floor))
+                worst = max(worst, relative(whole(param.grad), reference[key].grad, floor))
                 names.add(key)
             steps.append({"loss": None if loss is None else loss.item(),
                           "plain": plain_loss.item(), "grad_error": worst})  # fmt: skip
             optimizer.step()
             plain_optimizer.step()
         floor = 1e-6 * torch.stack([p.norm() for p in plain.parameters()]).norm().item()
-        params = max(relative(p, reference[k], floor) for k, p in pipe.named_parameters())
+        params = max(relative(whole(p), reference[k], floor) for k, p in pipe.named_parameters())
         keys = sorted(pipe.state_dict())
     finally:
         pipe.close()
@@ -234,10 +239,10 @@ def train_against_plain(
 
 def across(
     rank: int, world: int, *, model: str, schedule: str, stages: int, pp: int,
-    shapes: list[tuple[int, int]],
+    shapes: list[tuple[int, int]], dp_shard: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """A Cluster case: train_against_plain on `world` processes, `pp` per pipeline and the
-    rest data-parallel replicas (a (dp, pp) mesh)."""
+    rest data-parallel replicas (a (dp, pp) mesh), sharded with `dp_shard`."""
     from dist_cases import groups
 
     dp = world // pp
@@ -246,6 +251,6 @@ def across(
     def make(net: nn.Module, example: dict[str, Tensor]) -> Any:
         return gf.pipeline(net, example, split_points(model, stages), chunks=3,
                            schedule=schedule, pp_group=pp_group, dp_group=dp_group,
-                           timeout=60)  # fmt: skip
+                           timeout=60, dp_shard=dp_shard)  # fmt: skip
 
     return train_against_plain(model, make, shapes, replica, dp)

@@ -9,6 +9,7 @@ import dist_cases
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import gpipe_fast as gf
@@ -39,11 +40,12 @@ def train(
     sync: str = "per_microbatch",
     reshard_after_forward: bool = True,
     zero_grad: bool = True,
+    ties: tuple[tuple[int, int], ...] = (),
 ) -> dict[str, Any]:
     """Steps of `batches` sizes on a sharded pipe: per step the loss and the whole gradients,
     and whether every parameter is a shard."""
     pp_group, dp_group, replica = dist_cases.groups(pp, dp)
-    net = dist_cases.model(layers)
+    net = dist_cases.model(layers, ties=tuple(map(tuple, ties)))  # a queue makes lists of pairs
     pipe = gf.GPipe(
         net, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         pp_group=pp_group, dp_group=dp_group, timeout=60, dp_shard=True,
@@ -233,3 +235,41 @@ def dcp_resumed(
         return whole_snapshot(pipe, opt)
     finally:
         pipe.close()
+
+
+def uneven_replicas(rank: int, world: int) -> tuple[str, str]:
+    """Replica 0 gets 2 rows, replica 1 four, with chunks=3: every rank's error."""
+    pipe = gf.GPipe(dist_cases.model(2), [2, 2], chunks=3, dp_group=dist.group.WORLD,
+                    dp_shard=True, timeout=60)  # fmt: skip
+    x, y = dist_cases.batch(2 + 2 * rank, seed=1)
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    finally:
+        pipe.close()
+    return "", ""
+
+
+def bad_arguments(rank: int, world: int) -> list[str]:
+    """The errors of sharding arguments that do not fit."""
+    messages = []
+    for kwargs in (
+        {"dp_shard": True},
+        {"dp_shard": True, "dp_group": dist.group.WORLD, "dp_shard_sync": "per_token"},
+        {"dp_shard": 1, "dp_group": dist.group.WORLD},
+        {"dp_shard": True, "dp_group": init_device_mesh("cpu", (world,))},  # 1-D: accepted
+    ):
+        try:
+            pipe = gf.GPipe(dist_cases.model(2), [2, 2], chunks=2, timeout=60, **kwargs)
+        except (TypeError, ValueError) as error:
+            messages.append(str(error))
+        else:
+            pipe.close()
+            messages.append("built")
+    try:
+        gf.GPipe(dist_cases.model(3, ties=((0, 4),)), [2, 4], dp_group=dist.group.WORLD,
+                 dp_shard=True, timeout=60)  # fmt: skip
+    except ValueError as error:
+        messages.append(str(error))
+    return messages

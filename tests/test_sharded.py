@@ -14,14 +14,15 @@ from cluster import Cluster, values
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
+Ties = tuple[tuple[int, int], ...]
 
 
 def _reference(
-    layers: int, sizes: list[int], accumulate: bool
+    layers: int, sizes: list[int], accumulate: bool, ties: Ties = ()
 ) -> list[tuple[float, dict[str, torch.Tensor]]]:
     """Per step, the plain model's loss and gradients on the whole batch (summed over the
-    steps so far when `accumulate`)."""
-    net = dist_cases.model(layers)
+    steps so far when `accumulate`), a tied weight's under each of its names."""
+    net = dist_cases.model(layers, ties=ties)
     out = []
     for step, size in enumerate(sizes):
         if not accumulate:
@@ -29,13 +30,14 @@ def _reference(
         x, y = dist_cases.batch(size, seed=100 + step)
         loss = nn.functional.mse_loss(net(x), y)
         loss.backward()
-        out.append((loss.item(), {n: p.grad.clone() for n, p in net.named_parameters()}))
+        named = net.named_parameters(remove_duplicate=False)
+        out.append((loss.item(), {n: p.grad.clone() for n, p in named}))  # type: ignore[union-attr]
     return out
 
 
 def _check(results: list[dict[str, Any]], layers: int, sizes: list[int], dp: int,
-           accumulate: bool = False) -> None:  # fmt: skip
-    reference = _reference(layers, sizes, accumulate)
+           accumulate: bool = False, ties: Ties = ()) -> None:  # fmt: skip
+    reference = _reference(layers, sizes, accumulate, ties)
     for step, (loss, grads) in enumerate(reference):
         seen = set()
         for rank, result in enumerate(results):
@@ -207,3 +209,58 @@ def test_a_sharded_checkpoint_resumes_in_every_layout(
     after = dcp_cases.SAVED_AFTER
     dcp_cases.train(net, opt, dcp_cases.plain_step, range(after, after + 1))
     dcp_cases.assert_resumed([dcp_cases.snapshot(net, opt)], expected)
+
+
+@pytest.mark.parametrize(
+    ("model", "schedule", "pp"),
+    [("llama", "1f1b", 2), ("llama", "zbv", 2), ("llama", "gpipe", 1), ("gpt2", "1f1b", 2)],
+)
+def test_any_model_sharded_over_dp(
+    two: Cluster, four: Cluster, model: str, schedule: str, pp: int
+) -> None:
+    # gf.pipeline's stages (LLaMA's decoder layers and glue) sharded at pp=2 x dp=2, and at
+    # dp=2 alone (every stage in each process: a stage's shadows of the others are whole);
+    # GPT-2's head tied to its embedding across the pipeline ranks.
+    stages = 4 if schedule == "zbv" else 2
+    cluster = four if pp == 2 else two
+    results = values(cluster.run("any_model_cases.across", model=model, schedule=schedule,
+                                 stages=stages, pp=pp, shapes=[(8, 8), (12, 6)],
+                                 dp_shard=True))  # fmt: skip
+    for result in results:
+        for step in result["steps"]:
+            if step["loss"] is not None:
+                assert step["loss"] == pytest.approx(step["plain"], rel=1e-12)
+            assert step["grad_error"] < 1e-12
+        assert result["param_error"] < 1e-12
+
+
+def test_replicas_that_would_run_different_tasks_are_refused(two: Cluster) -> None:
+    # A sharded stage's replicas must run the same collectives: 2 rows with chunks=3 make
+    # two micro-batches, 4 rows three. Every rank raises, before any task runs.
+    for kind, message in values(two.run("sharded_cases.uneven_replicas")):
+        assert kind == "ValueError"
+        assert "different numbers of micro-batches" in message and "chunks=3" in message
+
+
+def test_bad_sharding_arguments_are_named(two: Cluster) -> None:
+    no_group, sync, not_bool, mesh, tied = values(two.run("sharded_cases.bad_arguments"))[0]
+    assert no_group.startswith("dp_shard: sharding needs a dp_group")
+    assert sync.startswith("dp_shard_sync must be one of 'per_microbatch', 'per_step'")
+    assert not_bool == "dp_shard must be a bool, got int"
+    assert mesh == "built"
+    assert tied.startswith("dp_shard: a weight tied between two cells of one process")
+    assert "cell 0's 0.weight = cell 1's 4.weight" in tied
+
+
+@pytest.mark.parametrize(("schedule", "sync"), [("1f1b", "per_microbatch"), ("zbv", "per_step")])
+def test_a_weight_tied_across_ranks_is_sharded(four: Cluster, schedule: str, sync: str) -> None:
+    # The Linear at module 0 shares its weight with the one at module 4, on two pipeline
+    # ranks: each rank's copy is sharded over its replicas, the copies' gradients are summed
+    # shard by shard over the pipeline group.
+    cells = 4 if schedule == "zbv" else 2
+    ties = ((0, 4),)
+    sizes = [12, 9]
+    results = _train(four, schedule=schedule, layers=4, balance=[8 // cells] * cells, chunks=3,
+                     checkpoint="except_last", batches=sizes, pp=2, dp=2, sync=sync,
+                     ties=ties)  # fmt: skip
+    _check(results, 4, sizes, dp=2, ties=ties)

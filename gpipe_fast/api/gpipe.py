@@ -227,11 +227,14 @@ class GPipe(nn.Module):
             warn_uninitialised(uninitialised)
         self._unfilled = Unfilled(uninitialised)
         retie(cells, ties, here)
-        if dp_shard and ties:
+        shared_here = [t for t in ties if sum(here[k] for k, _ in t.places) > 1]
+        if dp_shard and shared_here:
             raise ValueError(
-                "dp_shard: tied weights cannot be sharded yet (the pipe holds one copy per "
-                "cell); this model ties "
-                + "; ".join(" = ".join(f"cell {k}'s {name}" for k, name in t.places) for t in ties)
+                "dp_shard: a weight tied between two cells of one process cannot be sharded "
+                "yet (both cells' FSDP units would hold it; ties across processes can): "
+                + "; ".join(
+                    " = ".join(f"cell {k}'s {name}" for k, name in t.places) for t in shared_here
+                )
             )
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []

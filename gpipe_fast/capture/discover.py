@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as torch_module
 from torch.overrides import TorchFunctionMode
 
@@ -90,7 +91,16 @@ class _Recorder:
 def fake_memo(model: nn.Module, mode: FakeTensorMode) -> dict[int, Any]:
     """A deepcopy memo that copies each of the model's parameters and buffers as `mode`'s
     fake tensor: a module copied with it computes shapes alone, and writes only to itself."""
-    return {id(t): mode.from_tensor(t) for t in [*model.parameters(), *model.buffers()]}
+    return {id(t): fake_of(t, mode) for t in [*model.parameters(), *model.buffers()]}
+
+
+def fake_of(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+    """`tensor` as `mode`'s fake tensor; a shard (a DTensor of a sharded stage) as its whole
+    tensor, which is what the model's code computes with."""
+    if isinstance(tensor, DTensor):
+        with mode:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return mode.from_tensor(tensor)
 
 
 def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from gpipe_fast.capture.discover import fake_memo
+from gpipe_fast.capture.discover import fake_memo, fake_of
 from gpipe_fast.capture.dispatch import install, viewing
 from gpipe_fast.capture.plan import Plan
 from gpipe_fast.skip.skippable import pop, skippable, stash
@@ -64,7 +64,12 @@ class _Placeholders:
         if shadow is None:
             if self._memo is None:
                 self._memo = fake_memo(self._model, self.mode)
-            shadow = self._shadows[id(module)] = copy.deepcopy(module, self._memo)
+            # The module's tensors as they are now: a sharded stage's FSDP swaps its modules'
+            # parameters between shards and whole tensors as it runs, on its own thread.
+            self._memo.update(fake_memo(module, self.mode))
+            shadow = copy.deepcopy(module, self._memo)
+            _all_fake(shadow, self.mode)
+            self._shadows[id(module)] = shadow
         return shadow
 
     def output(
@@ -98,6 +103,18 @@ class _Placeholders:
                 for d in described
             ]
         return pytree.tree_unflatten(made, out_spec)
+
+
+def _all_fake(module: nn.Module, mode: FakeTensorMode) -> None:
+    """Every parameter and buffer of a shadow fake, also one that its stage's FSDP swapped in
+    while the copy was being made (a whole tensor or a shard: a fake of its whole shape)."""
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and not isinstance(param, FakeTensor):
+                owner._parameters[name] = nn.Parameter(fake_of(param, mode), param.requires_grad)
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and not isinstance(buffer, FakeTensor):
+                owner._buffers[name] = fake_of(buffer, mode)
 
 
 def _is_tensor_description(described: Any) -> bool:

@@ -54,6 +54,7 @@ def rank_share(
     *,
     needs_target: bool,
     ready: Callable[[], None] | None = None,
+    same_count: bool = False,
 ) -> RankShare:
     """This rank's share of a step: cell 0's rank needs `input` (and tells the others its
     batch size), the last cell's rank `target` when `needs_target`; the others may pass
@@ -79,7 +80,8 @@ def rank_share(
             raise  # its rings are closed: its peers' waits end
         refusal, size = error, None
     try:  # over the process group, a refusing rank takes part too (see ProcessGroups.batch)
-        batch, total = groups.batch(size, refused=refusal is not None)
+        agreed = chunks if same_count else None
+        batch, total = groups.batch(size, refused=refusal is not None, chunks=agreed)
     except BaseException as error:
         if refusal is None:
             report(error)
@@ -111,6 +113,9 @@ class CrossProcess:
         self.tied = tied
         self.report = report
         self.ready = ready  # raises when this rank cannot run a step (see rank_share)
+        # Sharded stages: the replicas must split their batches into as many micro-batches,
+        # and their reduce-scatters already summed the replicas' gradients.
+        self.sharded = False
 
     def share(
         self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
@@ -118,7 +123,7 @@ class CrossProcess:
         """This rank's share of a step (see rank_share)."""
         return rank_share(
             self.layout, self.groups, self.report, input, target, chunks,
-            needs_target=needs_target, ready=self.ready,
+            needs_target=needs_target, ready=self.ready, same_count=self.sharded,
         )  # fmt: skip
 
     def run(
@@ -136,7 +141,7 @@ class CrossProcess:
             transport.finish()
             if backward and self.tied:
                 self.tied.after_backward(groups.guard, groups.device)
-                if self.layout.dp_group is not None:
+                if self.layout.dp_group is not None and not self.sharded:
                     sum_gradients(
                         self.tied.local_tensors(),
                         self.layout.dp_group,

@@ -15,6 +15,7 @@ from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import BATCH_TAG, LOSS_TAG, ShmLinks
+from gpipe_fast.nn.microbatch import split_sizes
 from gpipe_fast.transport.wire import DTYPES
 
 # Pipes are built in the same order on every rank: their number keys their store entries.
@@ -110,7 +111,9 @@ class ProcessGroups:
         """Whether the step's agreed values travel over the rings' control lane."""
         return self.links is not None
 
-    def batch(self, local: int | None, refused: bool = False) -> tuple[int, int]:
+    def batch(
+        self, local: int | None, refused: bool = False, chunks: int | None = None
+    ) -> tuple[int, int]:
         """(this pipeline's batch size, the batch over every data-parallel replica): the rank
         of cell 0 tells the others its input's size; replicas add theirs up.
 
@@ -119,7 +122,11 @@ class ProcessGroups:
         step that another will not run, whose messages would stay pending in the group (and
         a later destruction of the group would wait for them for ever). Every rank raises:
         the refusing one its own error (the caller's), the others PeerFailure naming it.
-        (Over the rings a refusing rank closes them instead, which ends its peers' waits.)"""
+        (Over the rings a refusing rank closes them instead, which ends its peers' waits.)
+
+        With `chunks` (sharded stages, whose replicas must run the same tasks), the replicas
+        also agree that their batches split into as many micro-batches, in the same
+        all-reduce; ValueError on every rank when they do not."""
         # [the batch size (cell 0's rank, others 0), ranks that refused the step]
         message = torch.tensor([local or 0, int(refused)], dtype=torch.int64, device=self.device)
         if self.layout.multi_process:
@@ -130,10 +137,23 @@ class ProcessGroups:
                 self._reduce(message, "sum", self.layout.pp_group, "the batch size")
         size = int(message[0].item())
         if self.layout.dp_group is not None:
+            if chunks is not None:
+                # + [count, its square, 1]: the counts are equal iff n * sum(c^2) = sum(c)^2.
+                count = len(split_sizes(size, chunks))
+                message = torch.cat([message, message.new_tensor([count, count * count, 1])])
             self._reduce(message, "sum", self.layout.dp_group, "the replicas' batch sizes")
         if message[1] > 0 and not refused:
             self.guard.check()  # the refusing rank reported its cause before taking part
             raise PeerFailure("gpipe_fast: the step failed on another rank, which refused it")
+        if chunks is not None and self.layout.dp_group is not None and not refused:
+            counts, squares, replicas = (int(v) for v in message[2:].tolist())
+            if squares * replicas != counts * counts:
+                raise ValueError(
+                    f"dp_shard: the replicas' batches split into different numbers of "
+                    f"micro-batches (chunks={chunks}; this replica's {size} rows make "
+                    f"{len(split_sizes(size, chunks))}): sharded stages must run the same "
+                    f"tasks on every replica; give each replica at least {chunks} rows"
+                )
         return size, int(message[0].item())
 
     def loss(self, local: Tensor | None) -> Tensor:

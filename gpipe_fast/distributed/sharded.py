@@ -27,6 +27,7 @@ import hashlib
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -221,14 +222,20 @@ class Sharding:
         sync: str,
         reshard_after_forward: bool,
         split: bool,
+        timeout_s: float,
     ) -> None:
         ranks = dist.get_process_group_ranks(dp_group)
         self.cells: dict[int, ShardedCell] = {}
         for k, module in enumerate(modules):
             if module is None:
                 continue
-            # A group per cell: cells of one process run on their own workers at once.
-            group = dist.new_group(ranks, use_local_synchronization=True)
+            # A group per cell: cells of one process run on their own workers at once. Its
+            # collectives wait no longer than the pipe's timeout for a replica (FSDP's
+            # collectives are not the pipe's guarded waits: a replica whose step failed
+            # is noticed then).
+            group = dist.new_group(
+                ranks, timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+            )
             self.cells[k] = ShardedCell(
                 k, module, group, devices[k], sync=sync,
                 reshard_after_forward=reshard_after_forward, split=split,

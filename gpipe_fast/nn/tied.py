@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 Place = tuple[int, str]  # (cell, the parameter's name in the cell)
 
@@ -111,8 +112,23 @@ class TiedGradients:
             self.members.update(id(t) for t in mine)
             self.members.update(id(replica) for _, replica in tie.replicas)
 
+        # Sharded stages (dp_shard): (dp size, this rank's place in it). A tie's copy is then
+        # a shard, whose gradient is summed over the pipeline group shard by shard.
+        self.shard_of: tuple[int, int] | None = None
+
     def __bool__(self) -> bool:
         return bool(self.ties)
+
+    def refresh(self, cells: Sequence[nn.Module | None], shard_of: tuple[int, int]) -> None:
+        """After the stages were sharded (their parameters replaced by shards): this
+        process's copy of each tie as its cell now holds it."""
+        self.shard_of = shard_of
+        self.members = set()
+        for i, tie in enumerate(self.ties):
+            mine = [_get(cell, n) for c, n in tie.places if (cell := cells[c]) is not None]
+            _, shape, dtype = self.shared[i]
+            self.shared[i] = (mine[0] if mine else None, shape, dtype)
+            self.members.update(id(t) for t in mine)
 
     def before_step(self) -> None:
         with torch.no_grad():
@@ -135,13 +151,23 @@ class TiedGradients:
         requests = []
         for param, shape, dtype in self.shared:
             # A rank holding no copy adds zeros: the sum needs every rank of the group.
-            grad = torch.zeros(shape, dtype=dtype, device=device)
+            grad = torch.zeros(self._local_shape(shape), dtype=dtype, device=device)
             if param is not None:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grad = param.grad
+                grad = _local(param.grad)  # a shard's own rows: the group's ranks hold the same
             requests.append(dist.all_reduce(grad, group=self.layout.pp_group, async_op=True))
         guard.wait(requests, "the tied parameters' gradients", group=self.layout.pp_group)
+
+    def _local_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """The shape of this rank's part of a tie: the whole, or its shard's rows (FSDP2
+        shards dim 0 as torch.chunk does)."""
+        if self.shard_of is None or not shape:
+            return tuple(shape)
+        size, place = self.shard_of
+        per = -(-shape[0] // size)
+        rows = max(0, min(shape[0], (place + 1) * per) - place * per)
+        return (rows, *shape[1:])
 
     def counted_elsewhere(self) -> set[int]:
         """This process's copies of the ties whose first cell another rank runs: that rank
@@ -155,3 +181,8 @@ class TiedGradients:
     def local_tensors(self) -> list[Tensor]:
         """This process's tensor of each tie it holds, once each."""
         return [param for param, _, _ in self.shared if param is not None]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a tensor: a shard's local rows (DTensor), or the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_fast import _C
@@ -110,6 +111,7 @@ class Pipeline:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
         # Sharded stages (FSDP2) reduce-scatter their gradients themselves: no all-reduce.
         self.dp_shard = dp_shard
+        self.timeout_s = timeout_s
         self.sharding: Sharding | None = None
         self.tied = tied
         # A step may pass target=None to a loss_fn that needs none (a model computing its
@@ -316,8 +318,17 @@ class Pipeline:
             sync=sync,
             reshard_after_forward=reshard_after_forward,
             split=self.split_backward,
+            timeout_s=self.timeout_s,
         )
         self.services = replace(self.services, sharding=self.sharding)
+        if self.cross is not None:
+            self.cross.sharded = True
+        if self.tied:
+            dp = self.layout.dp_group
+            self.tied.refresh(
+                [cell.module if cell is not None else None for cell in self.cells],
+                (dist.get_world_size(dp), dist.get_rank(dp)),
+            )
 
     def start_sharded_step(self) -> None:
         if self.sharding is not None:
