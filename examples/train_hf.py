@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline processes")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--dp-shard", action="store_true",
+                   help="shard each stage over the replicas (FSDP2), not replicate it")  # fmt: skip
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per replica's batch")
     p.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: no clipping)")
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> float:
     pipe = gf.pipeline(model, as_inputs(x, y), num_stages=per_process * max(args.pp, 2),
                        devices=devices, chunks=args.chunks, checkpoint="never",
                        schedule=args.schedule, pp_group=env["pp_group"],
-                       dp_group=env["dp_group"], timeout=120)  # fmt: skip
+                       dp_group=env["dp_group"], timeout=120,
+                       dp_shard=args.dp_shard and env["dp_group"] is not None)  # fmt: skip
     named = list(pipe.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": args.weight_decay},

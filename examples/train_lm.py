@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 import gpipe_fast as gf  # noqa: E402
 
@@ -179,6 +180,11 @@ def latest_checkpoint(directory: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a shard of a sharded stage (a DTensor) gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def save_checkpoint(directory: Path, step: int, pipe: gf.GPipe, opt: torch.optim.Optimizer,
                     rank: int, distributed: bool,
                     saved: Callable[[], None] = lambda: None) -> tuple[float, int]:  # fmt: skip
@@ -229,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pp", type=int, default=1, help="pipeline processes")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    p.add_argument("--dp-shard", action="store_true",
+                   help="shard each stage over the replicas (FSDP2), not replicate it")  # fmt: skip
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per replica's batch")
     p.add_argument("--bf16", action="store_true", help="torch.autocast bf16 around train_step")
@@ -325,7 +333,8 @@ def main(argv: list[str] | None = None) -> float:
     balance = even_balance(len(model), cells)
     pipe = gf.GPipe(model, balance, devices=devices, chunks=args.chunks, checkpoint="never",
                     schedule=args.schedule, pp_group=env["pp_group"],
-                    dp_group=env["dp_group"], timeout=120)  # fmt: skip
+                    dp_group=env["dp_group"], timeout=120,
+                    dp_shard=args.dp_shard and env["dp_group"] is not None)  # fmt: skip
     decay = [p for n, p in pipe.named_parameters() if p.dim() >= 2 and "positions" not in n]
     others = [p for n, p in pipe.named_parameters() if not (p.dim() >= 2 and "positions" not
                                                              in n)]  # fmt: skip
@@ -455,7 +464,8 @@ def main(argv: list[str] | None = None) -> float:
         print(f"final validation loss: {val:.4f}", flush=True)
     if args.save_final is not None:
         args.save_final.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        # Whole tensors: a sharded stage's are gathered over its replicas (a collective).
+        state = {k: whole(v).detach().clone() for k, v in pipe.state_dict().items()}
         torch.save(state, args.save_final / f"rank{rank}.pt")
     if args.loss_curve is not None and rank == 0:
         plot(losses, evals, args.loss_curve)

@@ -41,11 +41,13 @@ def train(
     reshard_after_forward: bool = True,
     zero_grad: bool = True,
     ties: tuple[tuple[int, int], ...] = (),
+    dtype: str = "float64",
 ) -> dict[str, Any]:
     """Steps of `batches` sizes on a sharded pipe: per step the loss and the whole gradients,
     and whether every parameter is a shard."""
     pp_group, dp_group, replica = dist_cases.groups(pp, dp)
     net = dist_cases.model(layers, ties=tuple(map(tuple, ties)))  # a queue makes lists of pairs
+    net = net.to(getattr(torch, dtype))
     pipe = gf.GPipe(
         net, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
         pp_group=pp_group, dp_group=dp_group, timeout=60, dp_shard=True,
@@ -58,6 +60,7 @@ def train(
             if zero_grad:
                 pipe.zero_grad(set_to_none=True)
             xs, ys = dist_cases.shard(x, replica, dp), dist_cases.shard(y, replica, dp)
+            xs, ys = xs.to(getattr(torch, dtype)), ys.to(getattr(torch, dtype))
             loss = pipe.train_step(xs, ys, nn.functional.mse_loss)
             steps.append({"loss": loss.item(), "grads": full_grads(pipe)})
         local = {

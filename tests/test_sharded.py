@@ -36,18 +36,18 @@ def _reference(
 
 
 def _check(results: list[dict[str, Any]], layers: int, sizes: list[int], dp: int,
-           accumulate: bool = False, ties: Ties = ()) -> None:  # fmt: skip
+           accumulate: bool = False, ties: Ties = (), rtol: float = 1e-10) -> None:  # fmt: skip
     reference = _reference(layers, sizes, accumulate, ties)
     for step, (loss, grads) in enumerate(reference):
         seen = set()
         for rank, result in enumerate(results):
             got = result["steps"][step]
-            assert got["loss"] == pytest.approx(loss, rel=1e-12), (rank, step)
+            assert got["loss"] == pytest.approx(loss, rel=rtol), (rank, step)
             for name, grad in got["grads"].items():
                 seen.add(name)
                 torch.testing.assert_close(
-                    torch.tensor(grad, dtype=torch.float64), grads[name], rtol=1e-10,
-                    atol=1e-12, msg=f"rank {rank}, step {step}, {name}",
+                    torch.tensor(grad, dtype=torch.float64), grads[name], rtol=rtol,
+                    atol=rtol / 100, msg=f"rank {rank}, step {step}, {name}",
                 )  # fmt: skip
         assert seen == set(grads), "every gradient is somewhere"
     for result in results:  # every parameter is a shard: half a Linear's tensors, or so
@@ -264,3 +264,12 @@ def test_a_weight_tied_across_ranks_is_sharded(four: Cluster, schedule: str, syn
                      checkpoint="except_last", batches=sizes, pp=2, dp=2, sync=sync,
                      ties=ties)  # fmt: skip
     _check(results, 4, sizes, dp=2, ties=ties)
+
+
+def test_float32_stages_reduce_with_a_plain_sum(two: Cluster) -> None:
+    # In float32 FSDP would reduce with a pre-multiplied sum, which gloo lacks: the pipe asks
+    # for a plain sum (its loss weights already scale each replica's share).
+    sizes = [10, 7]
+    results = _train(two, schedule="1f1b", layers=4, balance=[4, 4], chunks=2,
+                     checkpoint="never", batches=sizes, pp=1, dp=2, dtype="float32")  # fmt: skip
+    _check(results, 4, sizes, dp=2, rtol=1e-5)

@@ -146,8 +146,12 @@ def _resumed_copy(uninterrupted: dict[str, Any], tmp_path: Path, name: str) -> d
 
 @pytest.mark.parametrize(
     ("nproc", "layout"),
-    [(1, ["--pp", "1"]), (4, ["--pp", "2", "--dp", "2"])],
-    ids=["pp1", "pp2xdp2"],
+    [
+        (1, ["--pp", "1"]),
+        (4, ["--pp", "2", "--dp", "2"]),
+        (4, ["--pp", "2", "--dp", "2", "--dp-shard"]),
+    ],
+    ids=["pp1", "pp2xdp2", "pp2xdp2 sharded"],
 )
 def test_a_pp2_checkpoint_resumes_at_another_layout(
     uninterrupted: dict[str, Any], tmp_path: Path, nproc: int, layout: list[str]

@@ -105,6 +105,9 @@ class ShardedCell:
             # The loss weights already make each replica's gradient its share of the whole
             # batch's: the replicas' gradients are summed, not averaged.
             unit.set_gradient_divide_factor(1.0)
+            # A plain sum: FSDP would pre-multiply by 1/1 in float32 and bfloat16, an op
+            # gloo does not have.
+            unit.set_force_sum_reduction_for_comms(True)
             # FSDP prefetches the unit that ran before in its record of forwards; with
             # several micro-batches in flight that is another micro-batch's unit, gathered
             # for nothing. A unit named as its own prefetch makes it a no-op.
