@@ -276,3 +276,30 @@ def bad_arguments(rank: int, world: int) -> list[str]:
     except ValueError as error:
         messages.append(str(error))
     return messages
+
+
+def failing_replica(rank: int, world: int, *, timeout: float) -> tuple[str, float]:
+    """Replica 1's loss_fn raises in the second step: every rank's error type, and how long
+    its step took to end."""
+    import time
+
+    pipe = gf.GPipe(dist_cases.model(2), [2, 2], chunks=2, dp_group=dist.group.WORLD,
+                    dp_shard=True, timeout=timeout)  # fmt: skip
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and failing:
+            raise RuntimeError("planted")
+        return nn.functional.mse_loss(output, target)
+
+    x, y = dist_cases.batch(4, seed=1)
+    failing = False
+    pipe.train_step(x, y, loss_fn)
+    failing = True
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, loss_fn)
+    except Exception as error:  # noqa: BLE001 - the test reads which
+        return type(error).__name__, time.monotonic() - start
+    finally:
+        pipe.close()
+    return "", time.monotonic() - start

@@ -273,3 +273,15 @@ def test_float32_stages_reduce_with_a_plain_sum(two: Cluster) -> None:
     results = _train(two, schedule="1f1b", layers=4, balance=[4, 4], chunks=2,
                      checkpoint="never", batches=sizes, pp=1, dp=2, dtype="float32")  # fmt: skip
     _check(results, 4, sizes, dp=2, rtol=1e-5)
+
+
+def test_a_failed_replica_ends_the_others_step_within_the_timeout(two: Cluster) -> None:
+    # FSDP's collectives are not the pipe's guarded waits: a replica waiting in one for a
+    # replica whose step failed raises once the pipe's timeout has passed, it never hangs.
+    timeout = 5.0
+    (kind0, seconds0), (kind1, _) = values(
+        two.run("sharded_cases.failing_replica", timeout=timeout)
+    )
+    assert kind1 == "RuntimeError"
+    assert kind0 != "", "the other replica's step raised too"
+    assert seconds0 < 6 * timeout
