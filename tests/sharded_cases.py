@@ -303,3 +303,32 @@ def failing_replica(rank: int, world: int, *, timeout: float) -> tuple[str, floa
     finally:
         pipe.close()
     return "", time.monotonic() - start
+
+
+def order_checks(rank: int, world: int) -> list[str]:
+    """A step, then replica 1 records one task more than replica 0: the order check's error;
+    and a task entered while another of the cell runs: its error."""
+    pipe = gf.GPipe(dist_cases.model(2), [2, 2], chunks=2, dp_group=dist.group.WORLD,
+                    dp_shard=True, timeout=30)  # fmt: skip
+    messages = []
+    try:
+        x, y = dist_cases.batch(4, seed=1)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        sharding = pipe._pipeline.sharding  # type: ignore[union-attr]
+        cell = sharding.cells[0]
+        if rank == 1:
+            with cell.task("forward", 7):
+                pass
+        try:
+            sharding.check_order()
+        except RuntimeError as error:
+            messages.append(str(error))
+        with cell.task("forward", 0):
+            try:
+                with cell.task("backward", 0):
+                    pass
+            except RuntimeError as error:
+                messages.append(str(error))
+    finally:
+        pipe.close()
+    return messages

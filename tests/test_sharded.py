@@ -285,3 +285,9 @@ def test_a_failed_replica_ends_the_others_step_within_the_timeout(two: Cluster) 
     assert kind1 == "RuntimeError"
     assert kind0 != "", "the other replica's step raised too"
     assert seconds0 < 6 * timeout
+
+
+def test_the_runtime_checks_one_task_at_a_time_in_one_order(two: Cluster) -> None:
+    for order, overlap in values(two.run("sharded_cases.order_checks")):
+        assert "ran its sharded tasks in different orders" in order
+        assert "ran two tasks at once (backward 0 while another was running)" in overlap
