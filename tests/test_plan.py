@@ -42,7 +42,8 @@ def test_plan_rows() -> None:
     assert [c.activation_bytes for c in result.cells] == [2 * 256 * 4, 2 * 256 * 4, 2 * 16 * 4]
     text = str(result)
     assert "3 cells" in text and "4 micro-batches" in text and "bubble" in text
-    assert len(text.splitlines()) == 1 + 1 + 3 + 1  # title, header, a row per cell, prediction
+    # Title, header, a row per cell, the predicted step, the predicted memory.
+    assert len(text.splitlines()) == 1 + 1 + 3 + 1 + 1
 
 
 def test_plan_uses_given_balance_and_layer_names() -> None:

@@ -32,6 +32,8 @@ class Prediction:
     step_time: float  # the simulated makespan
     forward_time: float  # when the last forward ends
     bubble: float  # idle share of worker-time
+    start: tuple[float, ...] = ()  # each task's simulated start and end
+    end: tuple[float, ...] = ()
 
 
 def task_costs(schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float) -> list[float]:
@@ -60,7 +62,8 @@ def predict(
         for task, end in zip(schedule.tasks, timeline.end, strict=True)
         if task.action == forward
     ]
-    return Prediction(timeline.makespan, max(ends, default=0.0), timeline.bubble)
+    return Prediction(timeline.makespan, max(ends, default=0.0), timeline.bubble,
+                      tuple(timeline.start), tuple(timeline.end))  # fmt: skip
 
 
 def task_overhead(
