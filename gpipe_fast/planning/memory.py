@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -40,7 +40,8 @@ class CellMemory:
     grads: int
     optimizer: int
     activations: int  # the most the cell's micro-batches hold at once, running task included
-    peak: int  # params + optimizer + the most of gradients and activations together
+    peak: int  # params + optimizer + batch + the most of gradients and activations together
+    batch: int = 0  # the first cell's: the whole input mini-batch (its micro-batches are views)
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,10 @@ class _Stage:
     weight_work: int  # a weight gradient made before it is added to `.grad`
     grads: int  # gradient bytes that appear at the cell's first backward
     step_work: int  # the optimizer step's temporaries
-    rest: int  # parameters and optimizer state
+    rest: int  # parameters, optimizer state and the input batch
     params: int
     optimizer: int
+    batch: int
 
 
 def predict_memory(
@@ -130,29 +132,31 @@ def predict_memory(
     sizes = {k: activations.bytes_of((k,), rows) for k in range(len(activations.storage_bytes))}
     flags = [list(f) for f in _C.recomputed(schedule)]
     walk = _Walk(schedule, starts, ends, stages, sizes, flags)
-    cells = []
-    for k, stage in enumerate(stages):
-        held = walk.peak(_on_stages({k}))[0]
-        cells.append(CellMemory(stage.params, stage.grads, stage.optimizer, held,
-                                _peak(walk, stages, {k})))  # fmt: skip
     on = schedule.stage_workers
-    workers = [_peak(walk, stages, {k for k in range(len(stages)) if on[k] == w})
+    cells = [frozenset({k}) for k in range(len(stages))]
+    workers = [frozenset(k for k in range(len(stages)) if on[k] == w)
                for w in range(schedule.workers)]  # fmt: skip
-    return MemoryPrediction(cells, workers, _peak(walk, stages, set(range(len(stages)))))
+    everything = frozenset(range(len(stages)))
+    groups = list(dict.fromkeys([*cells, *workers, everything]))  # each set walked once
+    peaks = dict(zip(groups, walk.peaks(groups), strict=True))
+    return MemoryPrediction(
+        [CellMemory(stage.params, stage.grads, stage.optimizer, peaks[cell][0],
+                    _peak(peaks[cell][1], stages, cell), stage.batch)
+         for stage, cell in zip(stages, cells, strict=True)],
+        [_peak(peaks[group][1], stages, group) for group in workers],
+        _peak(peaks[everything][1], stages, everything),
+    )  # fmt: skip
 
 
-def _peak(walk: _Walk, stages: list[_Stage], chosen: set[int]) -> int:
-    """Peak bytes of the `chosen` stages on one device: at rest, plus the most of the step's
-    gradients and activations at once, or all gradients and the optimizer step's temporaries
-    (one parameter at a time), whichever is more."""
+def _peak(step: int, stages: list[_Stage], chosen: frozenset[int]) -> int:
+    """Peak bytes of the `chosen` stages on one device: at rest, plus `step` (the most of the
+    step's gradients and activations at once), or all gradients and the optimizer step's
+    temporaries (one parameter at a time), whichever is more."""
+    if not chosen:
+        return 0
     rest = sum(stages[k].rest for k in chosen)
-    step = walk.peak(_on_stages(chosen))[1]
     optimizer = sum(stages[k].grads for k in chosen) + max(stages[k].step_work for k in chosen)
     return rest + max(step, optimizer)
-
-
-def _on_stages(chosen: set[int]) -> Callable[[_C.Task], bool]:
-    return lambda task: task.stage in chosen
 
 
 def _stages(
@@ -171,12 +175,37 @@ def _stages(
             grads = math.ceil(grads / shards) + facts.grads[unit]
             optimizer = math.ceil(optimizer / shards)
         largest = max(facts.largest[i] for i in layers)
-        stages.append(_Stage(act.kept(layers), act.inputs[layers.start],
-                             act.working(layers, rows), largest, grads,
-                             facts.optimizer_work * largest, params + optimizer, params,
-                             optimizer))  # fmt: skip
+        kept, stash, batch = act.kept(layers), act.inputs[layers.start], 0
+        if start == 0:
+            # The first cell's micro-batches are views of the caller's input, which holds
+            # the whole mini-batch for the step whatever is in flight.
+            batch = act.bytes_of(stash, act.rows)
+            kept, stash = kept - stash, frozenset()
+        stages.append(_Stage(kept, stash, act.working(layers, rows), largest, grads,
+                             facts.optimizer_work * largest, params + optimizer + batch,
+                             params, optimizer, batch))  # fmt: skip
         start += size
     return stages
+
+
+class _Group:
+    """The running bytes of a group of stages on one device."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, int], int] = {}  # holders of each (storage, micro-batch)
+        self.held = self.working = self.grads = 0
+        self.most_held = self.most = 0
+
+    def start(self, work: int, taken: int, grads: int) -> None:
+        self.working += work
+        self.held += taken
+        self.grads += grads
+        self.most_held = max(self.most_held, self.held + self.working)
+        self.most = max(self.most, self.held + self.working + self.grads)
+
+    def end(self, work: int, given: int) -> None:
+        self.working -= work
+        self.held -= given
 
 
 class _Walk:
@@ -203,39 +232,41 @@ class _Walk:
             events.append((end, 0 if end > start else 2, i))  # an instant task ends after
         self.events = sorted(events)
 
-    def peak(self, include: Callable[[_C.Task], bool]) -> tuple[int, int]:
-        """(most activation bytes, most activation and gradient bytes) at once over the
-        included tasks."""
-        counts: dict[tuple[int, int], int] = {}
+    def peaks(self, groups: list[frozenset[int]]) -> list[tuple[int, int]]:
+        """For each group of stages on one device: (most activation bytes, most activation
+        and gradient bytes) at once, in one pass over the events."""
+        member: list[list[_Group]] = [[] for _ in self.stages]
+        walks = [_Group() for _ in groups]
+        for group, walk in zip(groups, walks, strict=True):
+            for k in group:
+                member[k].append(walk)
         holds: dict[tuple[int, int], frozenset[int]] = {}
         graded: set[int] = set()
-        held = working = grads = 0
-        most_held = most = 0
         for _, kind, i in self.events:
             task, action = self.tasks[i], self.actions[i]
-            if action not in _COMPUTE or not include(task):
+            if action not in _COMPUTE:
                 continue
-            stage, m = self.stages[task.stage], task.microbatch
+            k, m = task.stage, task.microbatch
+            stage = self.stages[k]
             work = stage.working + (stage.weight_work if action in _WEIGHTS else 0)
             if kind == 1:
-                working += work
+                new: frozenset[int] = frozenset()
                 if action in ("forward", "recompute"):
-                    wanted = stage.stash if self.flags[task.stage][m] else stage.kept
-                    wanted = stage.kept if action == "recompute" else wanted
-                    new = wanted - holds.get((task.stage, m), frozenset())
-                    holds[(task.stage, m)] = wanted | holds.get((task.stage, m), frozenset())
-                    held += self._count(counts, new, m, 1)
-                if action in _WEIGHTS and task.stage not in graded:
-                    graded.add(task.stage)
-                    grads += stage.grads
-                most_held = max(most_held, held + working)
-                most = max(most, held + working + grads)
+                    checkpointed = self.flags[k][m] and action == "forward"
+                    wanted = stage.stash if checkpointed else stage.kept
+                    new = wanted - holds.get((k, m), frozenset())
+                    holds[(k, m)] = wanted | holds.get((k, m), frozenset())
+                grads = 0
+                if action in _WEIGHTS and k not in graded:
+                    graded.add(k)
+                    grads = stage.grads
+                for walk in member[k]:
+                    walk.start(work, self._count(walk.counts, new, m, 1), grads)
             else:
-                working -= work
-                if action in _WEIGHTS:
-                    gone = holds.pop((task.stage, m), frozenset())
-                    held -= self._count(counts, gone, m, -1)
-        return most_held, most
+                gone = holds.pop((k, m), frozenset()) if action in _WEIGHTS else frozenset()
+                for walk in member[k]:
+                    walk.end(work, self._count(walk.counts, gone, m, -1))
+        return [(walk.most_held, walk.most) for walk in walks]
 
     def _count(
         self, counts: dict[tuple[int, int], int], keys: frozenset[int], m: int, delta: int

@@ -65,10 +65,7 @@ def choose(planner: Planner, balance: Sequence[int] | None, choice: Choice, batc
     best: Plan | None = None
     smallest: Plan | None = None
     for candidate in candidates(planner, choice, batch):
-        balances: list[Sequence[int] | None] = [balance]
-        if balance is None:
-            balances.append(memory_balance(planner, candidate.chunks))
-        for option in balances:
+        for option in _balances(planner, balance, candidate):
             plan = evaluate(planner, option, candidate)
             if smallest is None or plan.peak_memory < smallest.peak_memory:
                 smallest = plan
@@ -83,6 +80,18 @@ def choose(planner: Planner, balance: Sequence[int] | None, choice: Choice, batc
             f"{smallest.schedule!r}{', dp_shard' if smallest.dp_shard else ''})"
         )
     return best
+
+
+def _balances(
+    planner: Planner, balance: Sequence[int] | None, candidate: Candidate
+) -> list[Sequence[int]]:
+    """The given balance, or the cost's and the memory's (once when they agree)."""
+    if balance is not None:
+        return [balance]
+    costs = planner.layer_costs(candidate.chunks, candidate.schedule)
+    options: list[Sequence[int]] = [partition(costs.total, planner.cells)]
+    by_memory = memory_balance(planner, candidate.chunks)
+    return options if by_memory == options[0] else [*options, by_memory]
 
 
 def _key(plan: Plan) -> tuple[float, int]:
