@@ -33,12 +33,15 @@ class ActivationProfile:
         """Bytes of the storages `keys` for a micro-batch of `rows` rows."""
         return math.ceil(sum(self.storage_bytes[k] for k in keys) * rows / self.rows)
 
-    def kept(self, layers: range) -> frozenset[int]:
+    def kept(self, layers: range, split: bool = False) -> frozenset[int]:
         """What a cell of `layers` holds per micro-batch until its backward: its input (the
-        stash) and what its layers saved."""
+        stash) and what its layers saved; with `split` (a backward split in halves, which
+        runs the layers one by one) every layer's output too."""
         keys = set(self.inputs[layers.start])
         for index in layers:
             keys |= self.saved[index]
+            if split:
+                keys |= self.outputs[index]
         return frozenset(keys)
 
     def working(self, layers: range, rows: int) -> int:

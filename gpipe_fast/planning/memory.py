@@ -5,8 +5,10 @@ first backward (``optimizer.zero_grad()`` sets them to None, torch's default). O
 micro-batch in flight holds what its forward kept for the backward (the cell's input and
 what autograd saved; only the input when the micro-batch is checkpointed, until its
 recompute), for as long as the schedule's program keeps it: from the forward to the backward
-(split backwards: to the weight half), and a running task needs its largest layer's input
-and output beside it. The program is walked in the order the simulator runs it."""
+(split backwards: to the weight half, with every layer's output, as the layers then run one
+by one, and from the input half on the output gradients of the learning layers), and a
+running task needs its largest layer's input and output beside it. The program is walked in
+the order the simulator runs it."""
 
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ class _Stage:
     stash: frozenset[int]  # held per checkpointed micro-batch (the cell's input)
     working: int
     weight_work: int  # a weight gradient made before it is added to `.grad`
+    pending: int  # output gradients kept from a split backward's input half to its weights'
     grads: int  # gradient bytes that appear at the cell's first backward
     step_work: int  # the optimizer step's temporaries
     rest: int  # parameters, optimizer state and the input batch
@@ -128,7 +131,9 @@ def predict_memory(
     """Walks `schedule`'s tasks in the simulated order (`starts`, `ends`) for micro-batches of
     `rows` rows. With `dp_shard`, parameters, gradients and optimizer state are 1/dp each at
     rest, plus the cell's largest layer whole (its parameters and gradients) while it runs."""
-    stages = _stages(balance, rows, activations, facts, dp if dp_shard else 1)
+    names = _C.actions()
+    split = any(names[task.action] == "backward_input" for task in schedule.tasks)
+    stages = _stages(balance, rows, activations, facts, dp if dp_shard else 1, split)
     sizes = {k: activations.bytes_of((k,), rows) for k in range(len(activations.storage_bytes))}
     flags = [list(f) for f in _C.recomputed(schedule)]
     walk = _Walk(schedule, starts, ends, stages, sizes, flags)
@@ -160,7 +165,12 @@ def _peak(step: int, stages: list[_Stage], chosen: frozenset[int]) -> int:
 
 
 def _stages(
-    balance: Sequence[int], rows: int, act: ActivationProfile, facts: ParamFacts, shards: int
+    balance: Sequence[int],
+    rows: int,
+    act: ActivationProfile,
+    facts: ParamFacts,
+    shards: int,
+    split: bool,
 ) -> list[_Stage]:
     stages, start = [], 0
     for size in balance:
@@ -175,13 +185,17 @@ def _stages(
             grads = math.ceil(grads / shards) + facts.grads[unit]
             optimizer = math.ceil(optimizer / shards)
         largest = max(facts.largest[i] for i in layers)
-        kept, stash, batch = act.kept(layers), act.inputs[layers.start], 0
+        kept, stash, batch = act.kept(layers, split), act.inputs[layers.start], 0
+        # A split backward keeps each learning layer's output gradient from its input half
+        # to its weight half.
+        roots = [i for i in layers if facts.grads[i]] if split else []
+        pending = sum(act.bytes_of(act.outputs[i], rows) for i in roots)
         if start == 0:
             # The first cell's micro-batches are views of the caller's input, which holds
             # the whole mini-batch for the step whatever is in flight.
             batch = act.bytes_of(stash, act.rows)
             kept, stash = kept - stash, frozenset()
-        stages.append(_Stage(kept, stash, act.working(layers, rows), largest, grads,
+        stages.append(_Stage(kept, stash, act.working(layers, rows), largest, pending, grads,
                              facts.optimizer_work * largest, params + optimizer + batch,
                              params, optimizer, batch))  # fmt: skip
         start += size
@@ -256,16 +270,18 @@ class _Walk:
                     wanted = stage.stash if checkpointed else stage.kept
                     new = wanted - holds.get((k, m), frozenset())
                     holds[(k, m)] = wanted | holds.get((k, m), frozenset())
+                taken = stage.pending if action == "backward_input" else 0
                 grads = 0
                 if action in _WEIGHTS and k not in graded:
                     graded.add(k)
                     grads = stage.grads
                 for walk in member[k]:
-                    walk.start(work, self._count(walk.counts, new, m, 1), grads)
+                    walk.start(work, taken + self._count(walk.counts, new, m, 1), grads)
             else:
                 gone = holds.pop((k, m), frozenset()) if action in _WEIGHTS else frozenset()
+                given = stage.pending if action == "backward_weight" else 0
                 for walk in member[k]:
-                    walk.end(work, self._count(walk.counts, gone, m, -1))
+                    walk.end(work, given + self._count(walk.counts, gone, m, -1))
         return [(walk.most_held, walk.most) for walk in walks]
 
     def _count(
