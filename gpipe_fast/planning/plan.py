@@ -18,7 +18,7 @@ from gpipe_fast.planning.candidates import Candidate, Choice
 from gpipe_fast.planning.memory import CellMemory, check_optimizer, predict_memory
 from gpipe_fast.planning.planner import Planner, micro_rows
 from gpipe_fast.planning.predict import StageCosts, predict
-from gpipe_fast.planning.profile import Device, Sample, layer_param_bytes
+from gpipe_fast.planning.profile import STATISTICS, Device, Sample, layer_param_bytes
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import schedule_kind
 
@@ -170,6 +170,7 @@ def plan(
     dp: int = 1,
     dp_shard: bool | None = False,
     memory_per_device: int | None = None,
+    statistic: str = "median",
 ) -> Plan:
     """Balances `module` into `partitions` cells by `cost` ("time", "size" or "params"; or takes
     the given `balance`) and predicts a training step of `schedule` on `sample`, a whole
@@ -183,7 +184,10 @@ def plan(
     timed apart. The runtime's own cost per task (its hand-offs and Python work, measured by
     a step through cells that do nothing) is added to every task. The other costs stand for
     a layer's forward, its backward is taken as BACKWARD_PER_FORWARD times that, split in
-    equal halves for zero bubble, and a task costs its cell's cost / chunks.
+    equal halves for zero bubble, and a task costs its cell's cost / chunks. `statistic`:
+    how the timed repeats (of each layer, and of the overhead's steps) are summed up:
+    "median" (default: the odd slow run left out) or "mean" (stalls counted at their rate:
+    a step adds them up, which on a busy shared host the median misses).
 
     Memory (``plan.memory`` per cell, ``plan.peak_memory`` per device): parameters,
     gradients, the optimizer's state (`optimizer`: "adamw", "adam", "sgd", None, or bytes
@@ -216,7 +220,8 @@ def plan(
     if choice.chunks is not None and choice.chunks > batch:
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
     planner = Planner(module, sample, cells, cost, device, devices, warmup, repeats,
-                      param_scale, check_optimizer(optimizer))  # fmt: skip
+                      param_scale, check_optimizer(optimizer),
+                      check_choice(statistic, "statistic", tuple(STATISTICS)))  # fmt: skip
     if calibrate is not None:
         return _calibrated(planner, balance, choice, calibrate)
     if memory_per_device is None:

@@ -73,6 +73,7 @@ class Planner:
     repeats: int
     param_scale: float
     optimizer: str | float | None
+    statistic: str = "median"  # of the repeats: "median" or "mean" (see profile.STATISTICS)
     _outputs: list[int] | None = None
     _activations: ActivationProfile | None = None
     _params: ParamFacts | None = None
@@ -118,7 +119,7 @@ class Planner:
             with intra_op_threads(self.threads(schedule)):
                 profile = profile_layers(self.module, microbatch, device=self.device,
                                          warmup=self.warmup, repeats=self.repeats,
-                                         split=split)  # fmt: skip
+                                         split=split, statistic=self.statistic)  # fmt: skip
             backward = profile.backward
             self._times[key] = LayerCosts(
                 profile.forward,
@@ -148,8 +149,9 @@ class Planner:
             return 0.0
         if schedule not in self._overheads:
             self._overheads[schedule] = task_overhead(
-                self.cells, self.workers(schedule), chunks, schedule
-            )
+                self.cells, self.workers(schedule), chunks, schedule,
+                mean=self.statistic == "mean",
+            )  # fmt: skip
         return self._overheads[schedule]
 
 

@@ -67,12 +67,13 @@ def predict(
 
 
 def task_overhead(
-    stages: int, workers: int, chunks: int, schedule: str, *, steps: int = 30
+    stages: int, workers: int, chunks: int, schedule: str, *, steps: int = 30, mean: bool = False
 ) -> float:
     """The runtime's seconds per task, measured: a train_step through `stages` cells that do
     nothing (nn.Identity) on CPU, its median time divided by the makespan its schedule would
     have with one unit per task. Covers what every task pays whatever the layers: the
-    executor's hand-offs, the Python task body, the autograd engine's entry."""
+    executor's hand-offs, the Python task body, the autograd engine's entry. `mean`: the
+    steps' mean instead of their median (stalls counted at their rate)."""
     from gpipe_fast.api.gpipe import GPipe  # a pipe depends on this module's package
 
     devices = ["cpu"] * workers
@@ -99,6 +100,6 @@ def task_overhead(
             times.append(time.perf_counter() - start)
         unit = _C.make_schedule(schedule, stages, workers, chunks, "never")
         makespan = _C.simulate(unit, [1.0] * len(unit.tasks)).makespan
-        return statistics.median(times) / makespan
+        return (statistics.fmean(times) if mean else statistics.median(times)) / makespan
     finally:
         pipe.close()
