@@ -56,14 +56,14 @@ class Choice:
         )
 
     def only(self) -> Candidate:
-        """The one candidate of fully given choices; ValueError naming what is missing."""
+        """The one candidate of fully given choices (dp_shard None: not sharded); ValueError
+        naming what is missing."""
         missing = [
             name
             for name, value in (
                 ("chunks", self.chunks),
                 ("checkpoint", self.checkpoint),
                 ("schedule", self.schedule),
-                ("dp_shard", self.dp_shard),
             )
             if value is None
         ]
@@ -71,5 +71,5 @@ class Choice:
             raise ValueError(
                 f"{', '.join(missing)}: give a value, or memory_per_device= for gf.plan to choose"
             )
-        assert self.chunks and self.checkpoint and self.schedule and self.dp_shard is not None
-        return Candidate(self.chunks, self.checkpoint, self.schedule, self.dp, self.dp_shard)
+        assert self.chunks and self.checkpoint and self.schedule
+        return Candidate(self.chunks, self.checkpoint, self.schedule, self.dp, bool(self.dp_shard))

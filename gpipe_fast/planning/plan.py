@@ -168,7 +168,7 @@ def plan(
     calibrate: Timeline | Sequence[Timeline] | None = None,
     optimizer: str | float | None = None,
     dp: int = 1,
-    dp_shard: bool | None = False,
+    dp_shard: bool | None = None,
     memory_per_device: int | None = None,
     statistic: str = "median",
 ) -> Plan:
@@ -194,7 +194,8 @@ def plan(
     per parameter element) and the activations each micro-batch keeps while the schedule
     holds it, by what autograd saves in one forward of the sample (see planning/memory.py).
     `dp` ranks with `dp_shard=True` hold 1/dp of parameters, gradients and optimizer state,
-    plus the largest layer whole. The sample is one rank's batch.
+    plus the largest layer whole (None: not sharded, or both tried under a budget). The
+    sample is one rank's batch.
 
     `memory_per_device` (bytes): gf.plan chooses. `chunks`, `checkpoint`, `schedule` and
     `dp_shard` left None are searched (chunks among the divisors and powers of two up to the
