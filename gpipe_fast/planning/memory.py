@@ -125,15 +125,18 @@ def predict_memory(
     activations: ActivationProfile,
     facts: ParamFacts,
     *,
+    batch_rows: int,
     dp: int = 1,
     dp_shard: bool = False,
 ) -> MemoryPrediction:
     """Walks `schedule`'s tasks in the simulated order (`starts`, `ends`) for micro-batches of
-    `rows` rows. With `dp_shard`, parameters, gradients and optimizer state are 1/dp each at
-    rest, plus the cell's largest layer whole (its parameters and gradients) while it runs."""
+    `rows` rows, out of a mini-batch of `batch_rows`. With `dp_shard`, parameters, gradients
+    and optimizer state are 1/dp each at rest, plus the cell's largest layer whole (its
+    parameters and gradients) while it runs."""
     names = _C.actions()
     split = any(names[task.action] == "backward_input" for task in schedule.tasks)
-    stages = _stages(balance, rows, activations, facts, dp if dp_shard else 1, split)
+    shards = dp if dp_shard else 1
+    stages = _stages(balance, (rows, batch_rows), activations, facts, shards, split)
     sizes = {k: activations.bytes_of((k,), rows) for k in range(len(activations.storage_bytes))}
     flags = [list(f) for f in _C.recomputed(schedule)]
     walk = _Walk(schedule, starts, ends, stages, sizes, flags)
@@ -166,13 +169,14 @@ def _peak(step: int, stages: list[_Stage], chosen: frozenset[int]) -> int:
 
 def _stages(
     balance: Sequence[int],
-    rows: int,
+    sizes: tuple[int, int],  # rows of a micro-batch, of the mini-batch
     act: ActivationProfile,
     facts: ParamFacts,
     shards: int,
     split: bool,
 ) -> list[_Stage]:
     stages, start = [], 0
+    rows, batch_rows = sizes
     for size in balance:
         layers = range(start, start + size)
         params = sum(facts.params[i] for i in layers)
@@ -193,7 +197,7 @@ def _stages(
         if start == 0:
             # The first cell's micro-batches are views of the caller's input, which holds
             # the whole mini-batch for the step whatever is in flight.
-            batch = act.bytes_of(stash, act.rows)
+            batch = act.bytes_of(stash, batch_rows)
             kept, stash = kept - stash, frozenset()
         stages.append(_Stage(kept, stash, act.working(layers, rows), largest, pending, grads,
                              facts.optimizer_work * largest, params + optimizer + batch,

@@ -222,7 +222,8 @@ def plan(
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
     planner = Planner(module, sample, cells, cost, device, devices, warmup, repeats,
                       param_scale, check_optimizer(optimizer),
-                      check_choice(statistic, "statistic", tuple(STATISTICS)))  # fmt: skip
+                      check_choice(statistic, "statistic", tuple(STATISTICS)),
+                      choice.chunks or 1)  # fmt: skip
     if calibrate is not None:
         return _calibrated(planner, balance, choice, calibrate)
     if memory_per_device is None:
@@ -290,7 +291,8 @@ def _plan(
     prediction = predict(steps, stage_costs, overhead)
     memory = predict_memory(steps, prediction.start, prediction.end, balance,
                             micro_rows(planner.sample, candidate.chunks),
-                            planner.activations(), planner.params(), dp=candidate.dp,
+                            planner.activations(), planner.params(),
+                            batch_rows=micro_rows(planner.sample, 1), dp=candidate.dp,
                             dp_shard=candidate.dp_shard)  # fmt: skip
     around = call or 0.0
     return Plan(

@@ -74,6 +74,7 @@ class Planner:
     param_scale: float
     optimizer: str | float | None
     statistic: str = "median"  # of the repeats: "median" or "mean" (see profile.STATISTICS)
+    activation_chunks: int = 1  # the activations are profiled on one such micro-batch
     _outputs: list[int] | None = None
     _activations: ActivationProfile | None = None
     _params: ParamFacts | None = None
@@ -86,8 +87,14 @@ class Planner:
         return self._outputs
 
     def activations(self) -> ActivationProfile:
+        """What autograd saves, on one micro-batch (its bytes scale with the rows): the
+        whole sample's forward would hold all of its activations at once."""
         if self._activations is None:
-            self._activations = profile_activations(self.module, self.sample)
+            microbatch = scatter(self.sample, self.activation_chunks)[0]
+            # On the cells' threads, like every other pass of a micro-batch gf.plan makes.
+            target = resolve_device(self.device, self.module)
+            with intra_op_threads(threads_per_cell([target] * self.cells).per_cell):
+                self._activations = profile_activations(self.module, microbatch)
         return self._activations
 
     def params(self) -> ParamFacts:

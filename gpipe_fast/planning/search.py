@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from gpipe_fast.planning.balance import partition
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate, Choice
 from gpipe_fast.planning.plan import Plan, evaluate
-from gpipe_fast.planning.planner import Planner
+from gpipe_fast.planning.planner import Planner, micro_rows
 from gpipe_fast.schedule.registry import SCHEDULES
 
 
@@ -48,7 +48,7 @@ def memory_balance(planner: Planner, chunks: int) -> list[int]:
     micro-batches: its parameters, gradients and optimizer state, and what its forward
     saves for each micro-batch."""
     act, facts = planner.activations(), planner.params()
-    rows = -(-act.rows // chunks)
+    rows = micro_rows(planner.sample, chunks)
     costs = [
         facts.params[i] + facts.grads[i] + facts.optimizer[i]
         + chunks * act.bytes_of(act.saved[i] | act.inputs[i], rows)
