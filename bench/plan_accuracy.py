@@ -94,7 +94,7 @@ def measure(workload: Workload, rounds: int, recorded: int) -> list[dict[str, ob
     # Calibrated plans: every schedule predicted from recorded steps of fill-drain on the same
     # cells (interleaved, whose cells differ, from its own).
     timelines = {name: _record(pipes[name], x, recorded) for name in ("gpipe", "interleaved")}
-    rows = []
+    rows: list[dict[str, object]] = []
     for schedule, cells, workers in SCHEDULES:
         pipe, plan = pipes[schedule], plans[schedule]
         source = "interleaved" if schedule == "interleaved" else "gpipe"

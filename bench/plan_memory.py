@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -143,7 +144,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="the first workload only")
     args = parser.parse_args()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for layers, width, batch, chunks in WORKLOADS[:1] if args.quick else WORKLOADS:
         balance: tuple[int, ...] = ()
         for schedule in SCHEDULES:
