@@ -113,6 +113,65 @@ def child(case: Case) -> dict[str, int]:
     return {"total": second - before, "step": second - rest, "first": total - before}
 
 
+def rank(case: Case) -> dict[str, int]:
+    """Runs as rank RANK of 2 processes, one cell each (gloo, the tensors between the cells
+    over gloo too, so that no shared-memory ring is in the resident set): this cell's step,
+    measured as `child` measures the step of both."""
+    import gc
+
+    import torch.distributed as dist
+
+    import gpipe_fast as gf
+
+    dist.init_process_group("gloo")
+    try:
+        net = model(case)
+        x = torch.randn(case.batch, case.width)
+        pipe = gf.GPipe(net, list(case.balance), chunks=case.chunks, schedule=case.schedule,
+                        checkpoint=case.checkpoint, pp_group=dist.group.WORLD)  # fmt: skip
+        optimizer = torch.optim.AdamW(pipe.parameters())
+
+        def step() -> None:
+            pipe.train_step(x, x, lambda out, target: out.sum())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        step()
+        gc.collect()
+        rest = _status("VmRSS")
+        _reset_peak()
+        step()
+        peak = _status("VmHWM")
+        pipe.close()
+        return {"step": peak - rest}
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_cells(case: Case) -> list[int]:
+    """Each cell's measured step growth, one process per cell."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import plan_memory as b; "
+        "print(json.dumps(b.rank(b.Case(**json.loads(sys.argv[2])))))"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, **ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
+           "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
+           "GPIPE_FAST_TRANSPORT": "gloo"}  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, here, json.dumps(asdict(case))],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in ranks]
+    return [json.loads(out.strip().splitlines()[-1])["step"] for out in outs]
+
+
 def predict(case: Case) -> tuple[Case, dict[str, int]]:
     import gpipe_fast as gf
 
@@ -122,8 +181,9 @@ def predict(case: Case) -> tuple[Case, dict[str, int]]:
                    optimizer="adamw", balance=case.balance or None, repeats=3)  # fmt: skip
     rest = sum(c.params + c.optimizer + c.batch for c in plan.memory)
     balanced = Case(**{**asdict(case), "balance": tuple(plan.balance)})
+    cells = [c.peak - c.params - c.optimizer - c.batch for c in plan.memory]
     return balanced, {"total": plan.memory_one_device, "step": plan.memory_one_device - rest,
-                      "peak_per_device": plan.peak_memory}  # fmt: skip
+                      "peak_per_device": plan.peak_memory, "cells": cells}  # type: ignore[dict-item]  # fmt: skip
 
 
 def measure(case: Case) -> dict[str, int]:
@@ -143,7 +203,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="the first workload only")
+    parser.add_argument("--cells", action="store_true",
+                        help="each cell in its own process (2 gloo ranks), per cell")  # fmt: skip
     args = parser.parse_args()
+    if args.cells:
+        return per_cell(args.json)
     rows: list[dict[str, Any]] = []
     for layers, width, batch, chunks in WORKLOADS[:1] if args.quick else WORKLOADS:
         balance: tuple[int, ...] = ()
@@ -172,6 +236,36 @@ def main() -> int:
     print(markdown_table(header, table))
     if args.json:
         with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+    return 0
+
+
+def per_cell(path: str | None) -> int:
+    """Each cell's predicted step growth against its own process's (see `rank`)."""
+    rows: list[dict[str, Any]] = []
+    layers, width, batch, chunks = WORKLOADS[1]
+    balance: tuple[int, ...] = ()
+    for schedule in ("gpipe", "1f1b"):
+        for checkpoint in ("never", "always"):
+            case, predicted = predict(Case(layers, width, batch, chunks, schedule, checkpoint,
+                                           balance))  # fmt: skip
+            balance = case.balance
+            measured = measure_cells(case)
+            rows.append({"case": asdict(case), "predicted": predicted["cells"],
+                         "measured": measured})  # fmt: skip
+            print(rows[-1], file=sys.stderr, flush=True)
+    mib = 1 << 20
+    header = ["schedule", "checkpoint", "cell", "predicted MiB", "measured MiB", "ratio"]
+    table = [
+        [r["case"]["schedule"], r["case"]["checkpoint"], str(k), f"{p / mib:.1f}",
+         f"{m / mib:.1f}", f"{p / m:.3f}"]
+        for r in rows
+        for k, (p, m) in enumerate(zip(r["predicted"], r["measured"], strict=True))
+    ]  # fmt: skip
+    print(f"{Case(*WORKLOADS[1], 'gpipe', 'never').workload}, balance {list(balance)}, AdamW")
+    print(markdown_table(header, table))
+    if path:
+        with open(path, "w") as out:
             json.dump(rows, out, indent=2)
     return 0
 

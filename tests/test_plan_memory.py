@@ -44,7 +44,8 @@ def test_walk_holds_what_each_schedule_keeps() -> None:
     # input and its first Linear's output (2 tensors; checkpointed: the input alone); the
     # first cell's inputs are views of the whole batch, counted apart (`batch`). A running
     # task needs one layer's input and output beside them, and a backward the weight's
-    # gradient before it is added to .grad. The peak: at a backward's start.
+    # gradient before it is added to .grad; cell 0 holds its output's gradient from cell
+    # 1's backward on (`grad`). The peak: at a backward's start.
     x = torch.randn(8, 8)
     held = {}
     for schedule in ("gpipe", "1f1b"):
@@ -53,14 +54,14 @@ def test_walk_holds_what_each_schedule_keeps() -> None:
                            checkpoint=checkpoint)  # fmt: skip
             held[schedule, checkpoint] = [cell.activations for cell in plan.memory]
             assert [cell.batch for cell in plan.memory] == [8 * 8 * 4, 0]
-    work = 2 * TENSOR + 8 * 8 * 4
+    work, grad = 2 * TENSOR + 8 * 8 * 4, TENSOR
     # Fill-drain keeps all 4 micro-batches on each cell.
-    assert held["gpipe", "never"] == [4 * TENSOR + work, 4 * 2 * TENSOR + work]
+    assert held["gpipe", "never"] == [4 * TENSOR + work + grad, 4 * 2 * TENSOR + work]
     # 1F1B keeps K - k: 2 on cell 0, 1 on cell 1.
-    assert held["1f1b", "never"] == [2 * TENSOR + work, 2 * TENSOR + work]
+    assert held["1f1b", "never"] == [2 * TENSOR + work + grad, 2 * TENSOR + work]
     # Checkpointed: the 4 inputs, and what a recompute saves again: for two micro-batches,
     # as fill-drain's program recomputes one ahead of the backward (R3 R2 B3 R1 B2 ...).
-    assert held["gpipe", "always"] == [2 * TENSOR + work, 4 * TENSOR + 2 * TENSOR + work]
+    assert held["gpipe", "always"] == [2 * TENSOR + work + grad, 6 * TENSOR + work]
 
 
 def test_memory_parts_and_their_order() -> None:

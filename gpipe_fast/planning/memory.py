@@ -108,6 +108,7 @@ class _Stage:
     working: int
     weight_work: int  # a weight gradient made before it is added to `.grad`
     pending: int  # output gradients kept from a split backward's input half to its weights'
+    incoming: int  # the gradient of the cell's output, from the next cell's backward to its own
     grads: int  # gradient bytes that appear at the cell's first backward
     step_work: int  # the optimizer step's temporaries
     rest: int  # parameters, optimizer state and the input batch
@@ -199,7 +200,9 @@ def _stages(
             # the whole mini-batch for the step whatever is in flight.
             batch = act.bytes_of(stash, batch_rows)
             kept, stash = kept - stash, frozenset()
-        stages.append(_Stage(kept, stash, act.working(layers, rows), largest, pending, grads,
+        incoming = act.bytes_of(act.outputs[layers.stop - 1], rows)
+        stages.append(_Stage(kept, stash, act.working(layers, rows), largest, pending, incoming,
+                             grads,
                              facts.optimizer_work * largest, params + optimizer + batch,
                              params, optimizer, batch))  # fmt: skip
         start += size
@@ -284,6 +287,12 @@ class _Walk:
             else:
                 gone = holds.pop((k, m), frozenset()) if action in _WEIGHTS else frozenset()
                 given = stage.pending if action == "backward_weight" else 0
+                if action in ("backward", "backward_input"):
+                    # It consumed its output's gradient and handed its input's to the cell
+                    # before, which holds it until its own backward.
+                    given += stage.incoming if k + 1 < len(self.stages) else 0
+                    for walk in member[k - 1] if k > 0 else []:
+                        walk.start(0, self.stages[k - 1].incoming, 0)
                 for walk in member[k]:
                     walk.end(work, given + self._count(walk.counts, gone, m, -1))
         return [(walk.most_held, walk.most) for walk in walks]
