@@ -6,7 +6,8 @@ workers), two predictions are set against the median measured time of
 `pipe.train_step(x, x, loss)` with the same balance (loss: the output's sum, so the loss task
 costs next to nothing):
 
-- profiled: gf.plan(cost="time"), each layer timed apart, made before the rounds;
+- profiled: gf.plan(cost="time"), each layer timed apart, made before the rounds (the
+  median of each layer's repeats, and again with statistic="mean": their mean);
 - calibrated: gf.plan(calibrate=...) from `--recorded` steps of fill-drain recorded after
   the rounds on the same cells (interleaved, whose 4 cells no other pipe has, from its own).
 
@@ -66,12 +67,15 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def measure(workload: Workload, rounds: int, recorded: int) -> list[dict[str, object]]:
     model = workload.model()
     x = torch.randn(workload.batch, workload.width)
-    plans, pipes = {}, {}
+    plans, pipes, means = {}, {}, {}
     balances: dict[int, list[int]] = {}  # one balance per cell count, shared by its schedules
     for schedule, cells, workers in SCHEDULES:
         plan = gf.plan(model, x, cells, workload.chunks, schedule=schedule, devices=workers,
                        balance=balances.get(cells), repeats=15)  # fmt: skip
         balances.setdefault(cells, plan.balance)
+        means[schedule] = gf.plan(model, x, cells, workload.chunks, schedule=schedule,
+                                  devices=workers, balance=plan.balance, repeats=15,
+                                  statistic="mean")  # fmt: skip
         pipe = gf.GPipe(model, plan.balance, devices=["cpu"] * workers, chunks=workload.chunks,
                         checkpoint="never", schedule=schedule)  # fmt: skip
         plans[schedule], pipes[schedule] = plan, pipe
@@ -90,7 +94,7 @@ def measure(workload: Workload, rounds: int, recorded: int) -> list[dict[str, ob
     # Calibrated plans: every schedule predicted from recorded steps of fill-drain on the same
     # cells (interleaved, whose cells differ, from its own).
     timelines = {name: _record(pipes[name], x, recorded) for name in ("gpipe", "interleaved")}
-    rows = []
+    rows: list[dict[str, object]] = []
     for schedule, cells, workers in SCHEDULES:
         pipe, plan = pipes[schedule], plans[schedule]
         source = "interleaved" if schedule == "interleaved" else "gpipe"
@@ -108,6 +112,8 @@ def measure(workload: Workload, rounds: int, recorded: int) -> list[dict[str, ob
                 "predicted_ms": plan.step_time * 1e3,
                 "measured_ms": measured * 1e3,
                 "ratio": plan.step_time / measured,
+                "mean_ms": means[schedule].step_time * 1e3,
+                "mean_ratio": means[schedule].step_time / measured,
                 "calibrated_from": source,
                 "calibrated_overhead_us": calibrated.overhead * 1e6,
                 "calibrated_call_ms": calibrated.call_overhead * 1e3,
@@ -143,6 +149,7 @@ def main() -> int:
         "measured ms (median)",
         "profiled plan ms",
         "profiled / measured",
+        "profiled (mean) / measured",
         "calibrated plan ms (from)",
         "calibrated / measured",
     ]
@@ -153,6 +160,7 @@ def main() -> int:
             f"{r['measured_ms']:.1f}",
             f"{r['predicted_ms']:.1f}",
             f"{r['ratio']:.2f}",
+            f"{r['mean_ratio']:.2f}",
             f"{r['calibrated_ms']:.1f} ({r['calibrated_from']})",
             f"{r['calibrated_ratio']:.2f}",
         ]

@@ -42,11 +42,13 @@ from gpipe_fast.planning.balance import (
     balance_by_time,
     partition,
 )
+from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan, plan
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 __all__ = [
+    "CellMemory",
     "CellMemoryStats",
     "CellPlan",
     "GPipe",

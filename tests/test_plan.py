@@ -42,7 +42,8 @@ def test_plan_rows() -> None:
     assert [c.activation_bytes for c in result.cells] == [2 * 256 * 4, 2 * 256 * 4, 2 * 16 * 4]
     text = str(result)
     assert "3 cells" in text and "4 micro-batches" in text and "bubble" in text
-    assert len(text.splitlines()) == 1 + 1 + 3 + 1  # title, header, a row per cell, prediction
+    # Title, header, a row per cell, the predicted step, the predicted memory.
+    assert len(text.splitlines()) == 1 + 1 + 3 + 1 + 1
 
 
 def test_plan_uses_given_balance_and_layer_names() -> None:
@@ -129,3 +130,20 @@ def test_plan_counts_recomputation(checkpoint: str) -> None:
     assert extra >= recomputed * per_cell / 4 - 1e-9
     with pytest.raises(ValueError, match="checkpoint"):
         gf.plan(module, x, 2, 4, cost="params", checkpoint="sometimes")
+
+
+def test_profile_statistic_sums_up_the_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three runs of one Linear, by a scripted clock: forwards of 1 s, 1 s and 10 s (a stall),
+    # backwards of 1 s each. The median leaves the stall out, the mean counts it.
+    import gpipe_fast.planning.profile as gp
+
+    def profile(statistic: str) -> gp.LayerProfile:
+        reads = iter([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 14, 14, 15])
+        monkeypatch.setattr(gp, "_clock", lambda: float(next(reads)))
+        return gp.profile_layers(nn.Sequential(nn.Linear(3, 3)), torch.randn(2, 3), warmup=0,
+                                 repeats=3, statistic=statistic)  # fmt: skip
+
+    assert profile("median").forward == [1.0] and profile("mean").forward == [4.0]
+    assert profile("mean").backward == [1.0]
+    with pytest.raises(ValueError, match="statistic must be one of"):
+        gf.plan(nn.Sequential(nn.Linear(3, 3)), torch.randn(2, 3), 1, 1, statistic="mode")

@@ -4,39 +4,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from gpipe_fast import _C
-from gpipe_fast.arguments import (
-    check_balance,
-    check_choice,
-    check_count,
-    check_int,
-    check_module,
-)
-from gpipe_fast.device.host import threads_per_cell
-from gpipe_fast.nn.microbatch import as_tensors, scatter
+from gpipe_fast.arguments import check_balance, check_choice, check_count, check_module
+from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.planning.balance import partition
 from gpipe_fast.planning.calibrate import calibrated
-from gpipe_fast.planning.predict import StageCosts, predict, task_overhead
-from gpipe_fast.planning.profile import (
-    BACKWARD_PER_FORWARD,
-    Device,
-    Sample,
-    check_param_scale,
-    layer_costs_by_params,
-    layer_output_bytes,
-    layer_param_bytes,
-    profile_layers,
-    resolve_device,
-)
+from gpipe_fast.planning.candidates import Candidate, Choice
+from gpipe_fast.planning.memory import CellMemory, check_optimizer, predict_memory
+from gpipe_fast.planning.planner import Planner, micro_rows
+from gpipe_fast.planning.predict import StageCosts, predict
+from gpipe_fast.planning.profile import STATISTICS, Device, Sample, layer_param_bytes
 from gpipe_fast.runtime.timeline import Timeline
-from gpipe_fast.schedule.registry import check_schedule, placement, schedule_kind
+from gpipe_fast.schedule.registry import schedule_kind
 
 PLAN_COSTS = ("time", "size", "params")
 PLAN_UNITS = {"time": "s", "size": "B", "params": "params"}
@@ -52,6 +36,7 @@ class CellPlan:
     cost: float  # in the plan's unit
     param_bytes: int
     activation_bytes: int  # the cell's output per micro-batch (mini-batch bytes / chunks)
+    memory: CellMemory | None = None  # predicted bytes of a train_step on its device
 
 
 @dataclass
@@ -78,9 +63,26 @@ class Plan:
     threads: int | None = None  # intra-op threads of each CPU cell the costs were timed with
     calibrated: bool = False  # costs and overhead read from recorded steps' timelines
     call_overhead: float = 0.0  # per step around its tasks (calibrated plans; in step_time)
+    checkpoint: str = "never"
+    optimizer: str | float | None = None  # whose state the memory counts
+    dp: int = 1
+    dp_shard: bool = False
+    worker_memory: list[int] = field(default_factory=list)  # peak bytes per device (worker)
+    memory_one_device: int = 0  # peak bytes with all cells on one device (one process's CPU)
+
+    @property
+    def memory(self) -> list[CellMemory]:
+        """Each cell's predicted memory (see planning/memory.py)."""
+        return [cell.memory for cell in self.cells if cell.memory is not None]
+
+    @property
+    def peak_memory(self) -> int:
+        """The most bytes any device (worker) is predicted to hold during a train_step."""
+        return max(self.worker_memory, default=0)
 
     def __str__(self) -> str:
-        header = ("cell", "layers", "names", f"cost ({self.unit})", "params", "out/micro-batch")
+        header = ("cell", "layers", "names", f"cost ({self.unit})", "params", "out/micro-batch",
+                  "peak memory")  # fmt: skip
         rows = [header] + [
             (
                 str(c.index),
@@ -89,13 +91,15 @@ class Plan:
                 f"{c.cost:.4g}",
                 _human_bytes(c.param_bytes),
                 _human_bytes(c.activation_bytes),
+                _human_bytes(c.memory.peak) if c.memory else "-",
             )
             for c in self.cells
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = [
             f"GPipe plan: {sum(self.balance)} layers in {len(self.balance)} cells, "
-            f"{self.chunks} micro-batches, balanced by {self.cost}, schedule {self.schedule!r}"
+            f"{self.chunks} micro-batches, balanced by {self.cost}, schedule {self.schedule!r}, "
+            f"checkpoint {self.checkpoint!r}"
         ]
         lines += [
             "  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip()
@@ -111,7 +115,16 @@ class Plan:
             f"predicted step {self.step_time:.4g} {self.unit} (last forward ends at "
             f"{self.forward_time:.4g}), bubble {self.bubble:.1%}{overhead}"
         )
+        lines.append(self._memory_line())
         return "\n".join(lines)
+
+    def _memory_line(self) -> str:
+        sharded = f", dp {self.dp} sharded" if self.dp_shard else ""
+        return (
+            f"predicted peak memory {_human_bytes(self.peak_memory)} per device "
+            f"({_human_bytes(self.memory_one_device)} with all cells on one), "
+            f"optimizer {self.optimizer!r}{sharded}"
+        )
 
 
 def _span(layers: range) -> str:
@@ -131,14 +144,6 @@ def _human_bytes(count: float) -> str:
     return f"{count:.1f} TiB"
 
 
-def _cell_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
-    sums, start = [], 0
-    for size in balance:
-        sums.append(float(sum(values[start : start + size])))
-        start += size
-    return sums
-
-
 def _first_dim(tensors: Sequence[Tensor]) -> int:
     if any(t.dim() == 0 for t in tensors):
         raise ValueError("sample must have a batch dimension (dim 0) on every tensor")
@@ -149,24 +154,29 @@ def plan(
     module: nn.Sequential,
     sample: Sample,
     partitions: int,
-    chunks: int,
+    chunks: int | None = None,
     *,
     balance: Sequence[int] | None = None,
     cost: str = "time",
     device: Device | None = None,
-    checkpoint: str = "never",
-    schedule: str = "gpipe",
+    checkpoint: str | None = "never",
+    schedule: str | None = "gpipe",
     devices: int | None = None,
     warmup: int = 2,
     repeats: int = 5,
     param_scale: float = 2.0,
     calibrate: Timeline | Sequence[Timeline] | None = None,
+    optimizer: str | float | None = None,
+    dp: int = 1,
+    dp_shard: bool | None = None,
+    memory_per_device: int | None = None,
+    statistic: str = "median",
 ) -> Plan:
     """Balances `module` into `partitions` cells by `cost` ("time", "size" or "params"; or takes
     the given `balance`) and predicts a training step of `schedule` on `sample`, a whole
-    mini-batch that is split into `chunks` micro-batches. `devices`: how many devices (workers)
-    the cells share, for the interleaved schedule (default: as the schedule places them: one
-    per cell, two for zbv).
+    mini-batch that is split into `chunks` micro-batches: its time and its memory. `devices`:
+    how many devices (workers) the cells share, for the interleaved schedule (default: as the
+    schedule places them: one per cell, two for zbv).
 
     With cost="time" each layer is timed as its cell will run it: on one micro-batch of the
     sample, on `device`, with the intra-op threads each CPU cell's worker gets (the cores
@@ -174,7 +184,25 @@ def plan(
     timed apart. The runtime's own cost per task (its hand-offs and Python work, measured by
     a step through cells that do nothing) is added to every task. The other costs stand for
     a layer's forward, its backward is taken as BACKWARD_PER_FORWARD times that, split in
-    equal halves for zero bubble, and a task costs its cell's cost / chunks.
+    equal halves for zero bubble, and a task costs its cell's cost / chunks. `statistic`:
+    how the timed repeats (of each layer, and of the overhead's steps) are summed up:
+    "median" (default: the odd slow run left out) or "mean" (stalls counted at their rate:
+    a step adds them up, which on a busy shared host the median misses).
+
+    Memory (``plan.memory`` per cell, ``plan.peak_memory`` per device): parameters,
+    gradients, the optimizer's state (`optimizer`: "adamw", "adam", "sgd", None, or bytes
+    per parameter element) and the activations each micro-batch keeps while the schedule
+    holds it, by what autograd saves in one forward of the sample (see planning/memory.py).
+    `dp` ranks with `dp_shard=True` hold 1/dp of parameters, gradients and optimizer state,
+    plus the largest layer whole (None: not sharded, or both tried under a budget). The
+    sample is one rank's batch.
+
+    `memory_per_device` (bytes): gf.plan chooses. `chunks`, `checkpoint`, `schedule` and
+    `dp_shard` left None are searched (chunks among the divisors and powers of two up to the
+    batch, every checkpoint mode, every registered schedule that runs on the devices, sharded
+    or not when dp > 1), with the balance of the cost and one evening out memory, and the
+    fastest plan whose peak fits is returned (ties: the least memory); ValueError naming the
+    smallest peak when none fits. Layers are timed once per micro-batch size.
 
     `calibrate`: one or more timelines of steps recorded with `balance` (``pipe.timeline()``
     after ``pipe.record_timeline()``), of any schedule with the same cells and chunks. Each
@@ -185,131 +213,109 @@ def plan(
     """
     module = check_module(module)
     cells = check_count(partitions, "partitions", len(module))
-    chunks = check_int(chunks, "chunks", 1)
     cost = check_choice(cost, "cost", PLAN_COSTS)
-    checkpoint = check_choice(checkpoint, "checkpoint", ("always", "except_last", "never"))
-    schedule = check_schedule(schedule)
-    workers = _plan_workers(schedule, cells, devices)
+    choice = Choice.check(chunks, checkpoint, schedule, dp, dp_shard, memory_per_device)
     if balance is not None:
         balance = check_balance(balance, len(module), cells=cells)
-    if calibrate is not None:
-        if balance is None:
-            raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
-        if cost != "time":
-            raise ValueError(f"calibrate: calibrating measures time, got cost={cost!r}")
     batch = _first_dim(as_tensors(sample, "sample"))
-    if chunks > batch:
+    if choice.chunks is not None and choice.chunks > batch:
         raise ValueError(f"chunks ({chunks}) must not exceed the sample's batch size ({batch})")
-
-    output_bytes = layer_output_bytes(module, sample, device=device)
-    threads: int | None = None
-    overhead = 0.0
-    split = schedule_kind(schedule).split_backward
+    planner = Planner(module, sample, cells, cost, device, devices, warmup, repeats,
+                      param_scale, check_optimizer(optimizer),
+                      check_choice(statistic, "statistic", tuple(STATISTICS)),
+                      choice.chunks or 1)  # fmt: skip
     if calibrate is not None:
-        assert balance is not None
-        calibration = calibrated(calibrate, cells, chunks)
-        if split and not calibration.split:
-            warnings.warn(
-                f"gf.plan: {schedule} calibrated from steps whose backwards were not split: "
-                "each half is taken as half a backward, which underestimates small layers "
-                f"(a split costs a task more); calibrate from a {schedule} step instead",
-                stacklevel=2,
-            )
-        return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
-                     calibration.costs, calibration.handoff,
-                     _spread(calibration.costs, balance), output_bytes,
-                     threads=_cell_threads(workers, device, module),
-                     call=calibration.call)  # fmt: skip
-    if cost == "time":
-        threads = _cell_threads(workers, device, module)
-        microbatch = scatter(sample, chunks)[0]
-        with _intra_op_threads(threads):
-            profile = profile_layers(
-                module, microbatch, device=device, warmup=warmup, repeats=repeats, split=split
-            )
-        forward, backward = profile.forward, profile.backward
-        backward_input = profile.backward_input or [b / 2 for b in backward]
-        backward_weight = profile.backward_weight or [b / 2 for b in backward]
-        layer_costs = profile.costs("total")
-        overhead = task_overhead(cells, workers, chunks, schedule)
-    else:
-        if cost == "size":
-            scale = check_param_scale(param_scale)
-            layer_costs = [
-                out + scale * params
-                for out, params in zip(output_bytes, layer_param_bytes(module), strict=True)
-            ]
-        else:
-            layer_costs = layer_costs_by_params(module)
-        forward = [c / chunks for c in layer_costs]
-        backward = [BACKWARD_PER_FORWARD * c for c in forward]
-        backward_input = backward_weight = [b / 2 for b in backward]
+        return _calibrated(planner, balance, choice, calibrate)
+    if memory_per_device is None:
+        return evaluate(planner, balance, choice.only())
+    from gpipe_fast.planning.search import choose
+
+    return choose(planner, balance, choice, batch)
+
+
+def evaluate(planner: Planner, balance: Sequence[int] | None, candidate: Candidate) -> Plan:
+    """The plan of one candidate: its balance (the cost's, when None) and prediction."""
+    costs = planner.layer_costs(candidate.chunks, candidate.schedule)
+    workers = planner.workers(candidate.schedule)
+    chosen = list(balance) if balance is not None else partition(costs.total, planner.cells)
+    threads = planner.threads(candidate.schedule) if planner.cost == "time" else None
+    overhead = planner.overhead(candidate.schedule, candidate.chunks)
+    return _plan(planner, chosen, candidate, workers, costs.stages(chosen), overhead,
+                 costs.total, threads=threads)  # fmt: skip
+
+
+def _calibrated(
+    planner: Planner,
+    balance: Sequence[int] | None,
+    choice: Choice,
+    calibrate: Timeline | Sequence[Timeline],
+) -> Plan:
     if balance is None:
-        balance = partition(layer_costs, cells)
-
-    stage_costs = [
-        StageCosts(forward=f, backward=b, backward_input=bi, backward_weight=bw)
-        for f, b, bi, bw in zip(
-            *(_cell_sums(v, balance) for v in (forward, backward, backward_input, backward_weight)),
-            strict=True,
+        raise ValueError("calibrate: pass balance=, the balance of the pipe that recorded it")
+    if planner.cost != "time":
+        raise ValueError(f"calibrate: calibrating measures time, got cost={planner.cost!r}")
+    if choice.budget is not None:
+        raise ValueError("calibrate: give chunks, checkpoint and schedule, not memory_per_device")
+    candidate = choice.only()
+    calibration = calibrated(calibrate, planner.cells, candidate.chunks)
+    if schedule_kind(candidate.schedule).split_backward and not calibration.split:
+        warnings.warn(
+            f"gf.plan: {candidate.schedule} calibrated from steps whose backwards were not "
+            "split: each half is taken as half a backward, which underestimates small layers "
+            f"(a split costs a task more); calibrate from a {candidate.schedule} step instead",
+            stacklevel=3,
         )
-    ]
-    return _plan(module, list(balance), chunks, cost, schedule, checkpoint, workers,
-                 stage_costs, overhead, layer_costs, output_bytes, threads=threads)  # fmt: skip
-
-
-def _plan_workers(schedule: str, cells: int, devices: object) -> int:
-    """The workers (devices) the cells share: `devices`, or by default as many as the kind
-    runs `cells` cells on (one per cell; cells / 2 for zbv); checked against the kind's rule,
-    ValueError naming the argument that does not fit."""
-    per = schedule_kind(schedule).stages_per_worker
-    if devices is None:
-        workers, argument = max(1, cells // per) if per else cells, "partitions"
-    else:
-        workers, argument = check_int(devices, "devices", 1), "devices"
-    try:
-        placement(schedule, cells, workers)
-    except ValueError as error:
-        raise ValueError(f"{argument}: {error}") from None
-    return workers
+    workers = planner.workers(candidate.schedule)
+    return _plan(planner, list(balance), candidate, workers, calibration.costs,
+                 calibration.handoff, _spread(calibration.costs, balance),
+                 threads=planner.threads(candidate.schedule), call=calibration.call)  # fmt: skip
 
 
 def _plan(
-    module: nn.Sequential,
+    planner: Planner,
     balance: list[int],
-    chunks: int,
-    cost: str,
-    schedule: str,
-    checkpoint: str,
+    candidate: Candidate,
     workers: int,
     stage_costs: Sequence[StageCosts],
     overhead: float,
     layer_costs: Sequence[float],
-    output_bytes: Sequence[int],
     *,
     threads: int | None,
     call: float | None = None,
 ) -> Plan:
     """The plan of `balance` with its step simulated from `stage_costs` and `overhead`, plus
-    `call` seconds around the tasks when calibrated (None: not calibrated)."""
-    steps = _C.make_schedule(schedule, len(balance), workers, chunks, checkpoint)
+    `call` seconds around the tasks when calibrated (None: not calibrated), and its memory
+    walked in the simulated order."""
+    steps = _C.make_schedule(candidate.schedule, len(balance), workers, candidate.chunks,
+                             candidate.checkpoint)  # fmt: skip
     prediction = predict(steps, stage_costs, overhead)
+    memory = predict_memory(steps, prediction.start, prediction.end, balance,
+                            micro_rows(planner.sample, candidate.chunks),
+                            planner.activations(), planner.params(),
+                            batch_rows=micro_rows(planner.sample, 1), dp=candidate.dp,
+                            dp_shard=candidate.dp_shard)  # fmt: skip
     around = call or 0.0
     return Plan(
         balance=balance,
-        chunks=chunks,
-        cost=cost,
-        unit=PLAN_UNITS[cost],
-        cells=_cell_rows(module, balance, layer_costs, output_bytes, chunks),
+        chunks=candidate.chunks,
+        cost=planner.cost,
+        unit=PLAN_UNITS[planner.cost],
+        cells=_rows(planner, balance, layer_costs, candidate.chunks, memory.cells),
         forward_time=prediction.forward_time,
         backward_time=prediction.step_time + around - prediction.forward_time,
         step_time=prediction.step_time + around,
         bubble=prediction.bubble,
-        schedule=schedule,
+        schedule=candidate.schedule,
         overhead=overhead,
         threads=threads,
         calibrated=call is not None,
         call_overhead=around,
+        checkpoint=candidate.checkpoint,
+        optimizer=planner.optimizer,
+        dp=candidate.dp,
+        dp_shard=candidate.dp_shard,
+        worker_memory=memory.workers,
+        memory_one_device=memory.one_device,
     )
 
 
@@ -322,24 +328,14 @@ def _spread(costs: Sequence[StageCosts], balance: Sequence[int]) -> list[float]:
     return layer_costs
 
 
-def _cell_threads(cells: int, device: Device | None, module: nn.Module) -> int | None:
-    """The intra-op threads of each CPU cell's worker, as GPipe sets them (None: CUDA cells,
-    or OMP_NUM_THREADS set, which GPipe leaves alone)."""
-    target = resolve_device(device, module)
-    return threads_per_cell([target] * cells).per_cell
-
-
-@contextmanager
-def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+def _rows(
+    planner: Planner,
+    balance: Sequence[int],
+    layer_costs: Sequence[float],
+    chunks: int,
+    memory: Sequence[CellMemory],
+) -> list[CellPlan]:
+    return _cell_rows(planner.module, balance, layer_costs, planner.output_bytes(), chunks, memory)
 
 
 def _cell_rows(
@@ -348,6 +344,7 @@ def _cell_rows(
     layer_costs: Sequence[float],
     output_bytes: Sequence[int],
     chunks: int,
+    memory: Sequence[CellMemory],
 ) -> list[CellPlan]:
     # Not named_children(): it skips repeats of one layer object, which still count as layers.
     names = list(module._modules)
@@ -363,6 +360,7 @@ def _cell_rows(
                 cost=float(sum(layer_costs[start : start + size])),
                 param_bytes=sum(param_bytes[start : start + size]),
                 activation_bytes=math.ceil(output_bytes[layers.stop - 1] / chunks),
+                memory=memory[index],
             )
         )
         start += size

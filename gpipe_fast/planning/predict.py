@@ -32,6 +32,8 @@ class Prediction:
     step_time: float  # the simulated makespan
     forward_time: float  # when the last forward ends
     bubble: float  # idle share of worker-time
+    start: tuple[float, ...] = ()  # each task's simulated start and end
+    end: tuple[float, ...] = ()
 
 
 def task_costs(schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float) -> list[float]:
@@ -60,16 +62,18 @@ def predict(
         for task, end in zip(schedule.tasks, timeline.end, strict=True)
         if task.action == forward
     ]
-    return Prediction(timeline.makespan, max(ends, default=0.0), timeline.bubble)
+    return Prediction(timeline.makespan, max(ends, default=0.0), timeline.bubble,
+                      tuple(timeline.start), tuple(timeline.end))  # fmt: skip
 
 
 def task_overhead(
-    stages: int, workers: int, chunks: int, schedule: str, *, steps: int = 30
+    stages: int, workers: int, chunks: int, schedule: str, *, steps: int = 30, mean: bool = False
 ) -> float:
     """The runtime's seconds per task, measured: a train_step through `stages` cells that do
     nothing (nn.Identity) on CPU, its median time divided by the makespan its schedule would
     have with one unit per task. Covers what every task pays whatever the layers: the
-    executor's hand-offs, the Python task body, the autograd engine's entry."""
+    executor's hand-offs, the Python task body, the autograd engine's entry. `mean`: the
+    steps' mean instead of their median (stalls counted at their rate)."""
     from gpipe_fast.api.gpipe import GPipe  # a pipe depends on this module's package
 
     devices = ["cpu"] * workers
@@ -96,6 +100,6 @@ def task_overhead(
             times.append(time.perf_counter() - start)
         unit = _C.make_schedule(schedule, stages, workers, chunks, "never")
         makespan = _C.simulate(unit, [1.0] * len(unit.tasks)).makespan
-        return statistics.median(times) / makespan
+        return (statistics.fmean(times) if mean else statistics.median(times)) / makespan
     finally:
         pipe.close()

@@ -23,6 +23,13 @@ Device = torch.device | str | int
 Sample = Tensor | tuple[Tensor, ...]
 
 TIME_COSTS = ("total", "forward", "backward")
+# How the repeats of one measurement are summed up: the median resists the odd slow run (what
+# a balance wants), the mean counts it at its rate (what a sum of many tasks, a step, adds up
+# to when a shared host stalls threads now and then).
+STATISTICS: dict[str, Callable[[list[float]], float]] = {
+    "median": statistics.median,
+    "mean": statistics.fmean,
+}
 # Measured runs per layer when neither `repeats` nor `timeout` is given.
 DEFAULT_REPEATS = 5
 # The profilers' clock, in seconds (a name of its own so that tests can drive it).
@@ -171,6 +178,7 @@ def _profile_layer(
     repeats: int | None,
     budget_s: float | None,
     split: list[list[float]] | None = None,
+    average: Callable[[list[float]], float] = statistics.median,
 ) -> tuple[float, float, Tree]:
     """Median forward and backward seconds of one layer, and its (detached) output: over
     `repeats` measured runs after `warmup`, or (repeats None) over as many measured runs as
@@ -212,9 +220,9 @@ def _profile_layer(
                 break
     detached = map_tensors(Tensor.detach, output)
     if split is not None:
-        split[0].append(statistics.median(halves[0]))
-        split[1].append(statistics.median(halves[1]))
-    return statistics.median(forward_times), statistics.median(backward_times), detached
+        split[0].append(average(halves[0]))
+        split[1].append(average(halves[1]))
+    return average(forward_times), average(backward_times), detached
 
 
 def _check_repeats(repeats: object, timeout: object) -> tuple[int | None, float | None]:
@@ -235,6 +243,7 @@ def profile_layers(
     repeats: int | None = None,
     timeout: float | None = None,
     split: bool = False,
+    statistic: str = "median",
 ) -> LayerProfile:
     """Times each layer's forward and backward on `device`, feeding `sample` through the module
     layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
@@ -248,8 +257,10 @@ def profile_layers(
     its share (counted from its first run, warmup included) is spent, at least once, so a
     layer slower than its share takes longer. `split=True` also times the backward's
     input-gradient and weight-gradient halves (LayerProfile.backward_input and
-    backward_weight), as the zero-bubble schedule runs them."""
+    backward_weight), as the zero-bubble schedule runs them. `statistic`: "median" of the
+    repeats (default) or "mean"."""
     module = check_module(module)
+    average = STATISTICS[check_choice(statistic, "statistic", tuple(STATISTICS))]
     target = resolve_device(device, module)
     warmup = check_int(warmup, "warmup", 0)
     count, budget = _check_repeats(repeats, timeout)
@@ -265,7 +276,7 @@ def profile_layers(
             work = _profiling_copy(layer, index, target)
             halves = [profile.backward_input, profile.backward_weight] if split else None
             forward_s, backward_s, value = _profile_layer(
-                work, value, needs_grad, target, warmup, count, per_layer_s, halves
+                work, value, needs_grad, target, warmup, count, per_layer_s, halves, average
             )
             profile.forward.append(forward_s)
             profile.backward.append(backward_s)
