@@ -170,6 +170,22 @@ SLOW: dict[str, Rule] = {
     "test_train_lm.py::test_a_killed_rank_restarted_in_place_ends_bitwise_equal": True,
     "test_train_lm.py::test_a_pp2_checkpoint_resumes_at_another_layout": True,
     "test_train_lm.py::test_other_schedules_bf16_and_clipping_run": True,
+    # Sharded stages (dp_shard): the fast suite keeps one case per feature; the sweeps of
+    # schedules x policies, checkpoint modes, collective counts and models run in full.
+    "test_sharded.py::test_pp_by_sharded_dp_every_schedule": _not(
+        schedule=("1f1b", "zbv"), sync="per_microbatch"
+    ),
+    "test_sharded.py::test_sharded_dp_alone_every_checkpoint_mode": _not(
+        schedule="gpipe", checkpoint="always"
+    ),
+    "test_sharded.py::test_collectives_per_step_follow_the_formula": _not(
+        schedule=("1f1b", "zero_bubble")
+    ),
+    "test_sharded.py::test_clip_scaler_optimizer_and_eval_on_shards": _not(schedule="zbv"),
+    "test_sharded.py::test_gradients_accumulate_across_steps": _not(schedule="zbv"),
+    "test_sharded.py::test_any_model_sharded_over_dp": _not(model="gpt2"),
+    "test_sharded.py::test_a_weight_tied_across_ranks_is_sharded": _not(schedule="1f1b"),
+    "test_sharded.py::test_a_failed_replica_ends_the_others_step_within_the_timeout": True,
 }
 
 
