@@ -332,3 +332,19 @@ def order_checks(rank: int, world: int) -> list[str]:
     finally:
         pipe.close()
     return messages
+
+
+def groups_made(rank: int, world: int) -> list[int]:
+    """The process groups this process has, after each of three sharded pipes (of two cells
+    each) built, stepped and closed one after the other."""
+    from torch.distributed import distributed_c10d as c10d
+
+    counts = []
+    for _ in range(3):
+        pipe = gf.GPipe(dist_cases.model(2), [2, 2], chunks=2, dp_group=dist.group.WORLD,
+                        dp_shard=True, timeout=30)  # fmt: skip
+        x, y = dist_cases.batch(4, seed=1)
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        pipe.close()
+        counts.append(len(c10d._world.pg_map))
+    return counts

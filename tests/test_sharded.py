@@ -291,3 +291,10 @@ def test_the_runtime_checks_one_task_at_a_time_in_one_order(two: Cluster) -> Non
     for order, overlap in values(two.run("sharded_cases.order_checks")):
         assert "ran its sharded tasks in different orders" in order
         assert "ran two tasks at once (backward 0 while another was running)" in overlap
+
+
+def test_pipe_after_pipe_reuses_the_cells_groups(two: Cluster) -> None:
+    # Each sharded cell has a process group of its own; a process building pipe after pipe
+    # (a search over model sizes) reuses them rather than making two more per pipe.
+    for counts in values(two.run("sharded_cases.groups_made")):
+        assert counts[0] == counts[1] == counts[2]

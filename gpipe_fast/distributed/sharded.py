@@ -213,6 +213,27 @@ class ShardedCell:
         self.reshard()
 
 
+# The process groups of sharded cells, by (the replicas' ranks, the cell's place among this
+# process's cells, timeout): made once per process and reused by every later pipe. A group
+# destroyed with its pipe would free its name for the next group, whose rendezvous could then
+# read the keys the destroyed one left in the store.
+_CELL_GROUPS: dict[tuple[tuple[int, ...], int, float], Any] = {}
+
+
+def _cell_group(ranks: tuple[int, ...], slot: int, timeout_s: float) -> Any:
+    """A process group of `ranks` for this process's cell number `slot`: cells of one process
+    run on their own workers at once, each on a group of its own. Its collectives wait no
+    longer than the pipe's timeout for a replica (FSDP's collectives are not the pipe's
+    guarded waits: a replica whose step failed is noticed then)."""
+    key = (ranks, slot, timeout_s)
+    group = _CELL_GROUPS.get(key)
+    if group is None:
+        group = _CELL_GROUPS[key] = dist.new_group(
+            list(ranks), timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+    return group
+
+
 class Sharding:
     """The sharded cells of this process, by stage."""
 
@@ -227,18 +248,13 @@ class Sharding:
         split: bool,
         timeout_s: float,
     ) -> None:
-        ranks = dist.get_process_group_ranks(dp_group)
+        ranks = tuple(dist.get_process_group_ranks(dp_group))
         self.cells: dict[int, ShardedCell] = {}
-        for k, module in enumerate(modules):
-            if module is None:
-                continue
-            # A group per cell: cells of one process run on their own workers at once. Its
-            # collectives wait no longer than the pipe's timeout for a replica (FSDP's
-            # collectives are not the pipe's guarded waits: a replica whose step failed
-            # is noticed then).
-            group = dist.new_group(
-                ranks, timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
-            )
+        local = [k for k, module in enumerate(modules) if module is not None]
+        for slot, k in enumerate(local):
+            module = modules[k]
+            assert module is not None
+            group = _cell_group(ranks, slot, timeout_s)
             self.cells[k] = ShardedCell(
                 k, module, group, devices[k], sync=sync,
                 reshard_after_forward=reshard_after_forward, split=split,
