@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.host_peers import HostPeers
+from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.shm_links import ShmLinks
+from gpipe_fast.distributed.transports.choice import TransportChoice
+from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Flow, Payload
 
 # What a medium's receive posted ahead of its wait (its own kind of request), or None.
@@ -38,3 +48,23 @@ class Medium(Protocol):
 
     def finish(self) -> None:
         """At the step's end: waits until everything sent has left this process."""
+
+
+@dataclass
+class Opened:
+    """A medium opened for one pipe: makes each step's medium, and fails and closes with the
+    pipe. `links`: its shared-memory rings, if it has some."""
+
+    make: Callable[[], Medium]
+    fail: Callable[[str], None]
+    close: Callable[[], None]
+    links: ShmLinks | None = None
+
+
+# A medium's opener, called by every rank of the pipeline group at the pipe's build (with the
+# layout, hosts, guard, cells' device and skips): the medium opened for the pipe, or None; and
+# the pipe's TransportChoice if this medium is the one taken, else why it is not.
+Opener = Callable[
+    [ProcessLayout, HostPeers, Guard, torch.device, SkipLayout | None],
+    tuple[Opened | None, TransportChoice],
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,53 +15,19 @@ from gpipe_fast.distributed.shm_links import ShmLinks, routes
 from gpipe_fast.distributed.transports.across import ProcessTransport
 from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.distributed.transports.group import GroupMedium
-from gpipe_fast.distributed.transports.medium import Medium
-from gpipe_fast.distributed.transports.rings import RingMedium, open_rings
+from gpipe_fast.distributed.transports.medium import Medium, Opened, Opener
+from gpipe_fast.distributed.transports.rings import open_rings
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.local import LocalTransport
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Transport
 
 IN_PROCESS = TransportChoice("in process", "every cell of the pipe runs here")
 
-# A medium's opener, called by every rank of the pipeline group at the pipe's build: the
-# medium for each of the pipe's steps (given the step's guard-bound layout, guard, device),
-# or None and why not (a TransportChoice either way, pipe.transport_kind and _reason).
-Opener = Callable[
-    [ProcessLayout, HostPeers, Guard, torch.device, SkipLayout | None],
-    "tuple[Opened | None, TransportChoice]",
-]
-
-
-@dataclass
-class Opened:
-    """A medium opened for one pipe: makes each step's medium, and fails and closes with the
-    pipe. `links`: its shared-memory rings, if it has some."""
-
-    make: Callable[[], Medium]
-    fail: Callable[[str], None]
-    close: Callable[[], None]
-    links: ShmLinks | None = None
-
-
-def _rings(
-    layout: ProcessLayout,
-    hosts: HostPeers,
-    guard: Guard,
-    device: torch.device,
-    skips: SkipLayout | None,
-) -> tuple[Opened | None, TransportChoice]:
-    medium, choice = open_rings(layout, hosts, guard, device, skips)
-    if medium is None:
-        return None, choice
-    links = medium.links
-    return Opened(lambda: RingMedium(links, guard), links.fail, links.release, links), choice
-
-
 # The media tried before the process group's own send/recv (GroupMedium), which carries every
 # route they do not, in order of preference; the first one that opens sets the pipe's
 # TransportChoice (if none does, the first one's says why). A new medium: a module with its
 # Medium class and its opener, and its opener here.
-PREFERRED: list[Opener] = [_rings]
+PREFERRED: list[Opener] = [open_rings]
 
 
 @dataclass

@@ -9,7 +9,7 @@ from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import ShmLinks, TransportChoice, connect
 from gpipe_fast.distributed.transports import wire
-from gpipe_fast.distributed.transports.medium import Posted
+from gpipe_fast.distributed.transports.medium import Opened, Posted
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Flow, Payload
 
@@ -68,8 +68,10 @@ def open_rings(
     guard: Guard,
     device: torch.device,
     skips: SkipLayout | None,
-) -> tuple[RingMedium | None, TransportChoice]:
+) -> tuple[Opened | None, TransportChoice]:
     """The rings between the ranks of the group that share a host (see shm_links.connect),
     or None and why not."""
     links, choice = connect(layout, hosts, guard, device, skips)
-    return (RingMedium(links, guard) if links is not None else None), choice
+    if links is None:
+        return None, choice
+    return Opened(lambda: RingMedium(links, guard), links.fail, links.release, links), choice
