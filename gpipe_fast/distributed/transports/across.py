@@ -39,8 +39,8 @@ class ProcessTransport:
         self.local = local
         self.layout = layout
         self.media = media
-        # Each route's medium, found at its first message: (sending position, receiving
-        # position, flow) -> medium.
+        # Each route's medium, found at its first message (looked up per message, so keyed
+        # by what the caller has at hand): (sending cell, receiving cell, flow) -> medium.
         self.routes: dict[tuple[int, int, Flow], Medium] = {}
         self.outbox: dict[tuple[Flow, int, int], Payload] = {}
         # Receives posted ahead (see expect): (flow, stage, m) -> what the medium posted.
@@ -111,11 +111,11 @@ class ProcessTransport:
     def _medium(self, sender: int, receiver: int, flow: Flow) -> Medium:
         """The medium of a message of `flow` from cell `sender` to cell `receiver`: the first
         of the step's media that carries its route (the last carries any)."""
-        route = (self.layout.stage_rank(sender), self.layout.stage_rank(receiver), flow)
-        medium = self.routes.get(route)
+        medium = self.routes.get((sender, receiver, flow))
         if medium is None:
+            route = (self.layout.stage_rank(sender), self.layout.stage_rank(receiver), flow)
             medium = next(m for m in self.media if m.carries(*route))
-            self.routes[route] = medium
+            self.routes[(sender, receiver, flow)] = medium
         return medium
 
     def _sender(self, flow: Flow, stage: int, microbatch: int) -> tuple[int, int, Medium]:
