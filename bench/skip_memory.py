@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every step's in-process transport counts what it hands on (make_transport looks the
     # class up in its module at each step).
-    import gpipe_fast.distributed.dist_transport as dist_transport
+    import gpipe_fast.distributed.transports.registry as registry
 
-    dist_transport.LocalTransport = _Counting  # type: ignore[misc]
+    registry.LocalTransport = _Counting  # type: ignore[misc]
 
     _, balance = _pipes(args, devices=["cpu"] * args.cells)
     print(f"U-Net {len(balance)} cells {balance}, batch {args.batch}, M={args.chunks}, "

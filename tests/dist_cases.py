@@ -646,7 +646,7 @@ def with_env(
 
 def ring_names(pipe: gf.GPipe) -> list[str]:
     """The names of this rank's shared-memory rings of `pipe` (none over gloo)."""
-    links = pipe._pipeline.links if pipe._pipeline is not None else None
+    links = pipe._pipeline.media.links if pipe._pipeline is not None else None
     if links is None:
         return []
     return sorted(end.name for end in [*links.senders.values(), *links.receivers.values()])

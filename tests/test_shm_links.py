@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from cluster import Cluster, values
 from test_multiprocess import _check_steps
 
@@ -13,13 +14,16 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import (
     CONTROL,
     ENV,
+    ShmLinks,
     control_routes,
-    inline_ranks,
     lane,
     routes,
 )
+from gpipe_fast.distributed.transports import wire
+from gpipe_fast.distributed.transports.group import GroupMedium
+from gpipe_fast.distributed.transports.registry import inline_receivers
+from gpipe_fast.distributed.transports.rings import RingMedium
 from gpipe_fast.skip.layout import SkipLayout, SkipRoute
-from gpipe_fast.transport import wire
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
 
 
@@ -54,14 +58,23 @@ def test_rings_follow_the_boundaries_between_ranks() -> None:
     assert len(skipped) == 6
 
 
+def _inline(layout: ProcessLayout, every: set[tuple[int, int, int]],
+            rings: set[tuple[int, int, int]]) -> list[int]:  # fmt: skip
+    """The positions receiving inline when `rings` are shared memory, the rest the group's."""
+    links = ShmLinks({}, {}, rings)
+    media = [RingMedium(links, None), GroupMedium(layout, None, torch.device("cpu"))]  # type: ignore[arg-type]
+    return inline_receivers(layout.pp_size, every, media)
+
+
 def test_ranks_that_receive_only_over_shared_memory_receive_inline() -> None:
-    chain = routes(_layout((0, 1, 2), ranks=3), None)
-    assert inline_ranks(3, chain, chain) == [0, 1, 2]
+    layout = _layout((0, 1, 2), ranks=3)
+    chain = routes(layout, None)
+    assert _inline(layout, chain, chain) == [0, 1, 2]
     # Rank 2 on another host: rank 1 receives its gradients over gloo, so it keeps its
     # receiving workers; rank 0 hears only from rank 1, over shared memory.
     rings = {(s, r, n) for s, r, n in chain if 2 not in (s, r)}
-    assert inline_ranks(3, chain, rings) == [0]
-    assert inline_ranks(3, chain, set()) == []
+    assert _inline(layout, chain, rings) == [0]
+    assert _inline(layout, chain, set()) == []
 
 
 def test_the_steps_agreed_values_go_from_the_first_and_last_cells_ranks_to_the_others() -> None:

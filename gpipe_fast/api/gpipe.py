@@ -31,7 +31,7 @@ from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.host_peers import host_peers
 from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
-from gpipe_fast.distributed.shm_links import TransportChoice
+from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
     InitFn,

@@ -15,8 +15,8 @@ from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import BATCH_TAG, LOSS_TAG, ShmLinks
+from gpipe_fast.distributed.transports.wire import DTYPES
 from gpipe_fast.nn.microbatch import split_sizes
-from gpipe_fast.transport.wire import DTYPES
 
 # Pipes are built in the same order on every rank: their number keys their store entries.
 _PIPES = itertools.count()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ from gpipe_fast import _C
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import ACTIVATION, Flow
 
@@ -47,14 +47,6 @@ def lane(flow: Flow) -> int:
     return 0 if flow == ACTIVATION else 1
 
 
-@dataclass(frozen=True)
-class TransportChoice:
-    """How a pipe's tensors travel between its processes, and why."""
-
-    kind: str  # "in process", "shared memory", "shared memory and gloo", or the backend's name
-    reason: str
-
-
 class ShmLinks:
     """This rank's ends of its pipe's rings, by (peer's global rank, lane): it created the
     receiving ones, attached to the sending ones. Set up once per pipe, closed with it."""
@@ -63,14 +55,17 @@ class ShmLinks:
         self,
         senders: dict[tuple[int, int], _C.ShmSender],
         receivers: dict[tuple[int, int], _C.ShmReceiver],
-        inline_ranks: list[int],
+        rings: set[tuple[int, int, int]],
     ) -> None:
         self.senders = senders
         self.receivers = receivers
-        # The pipeline group's positions that receive every message over shared memory (the
-        # same list on every rank): their compute worker takes each message itself, right
-        # before the task that needs it, a copy out of the ring with no thread hand-off.
-        self.inline_ranks = inline_ranks
+        # Every (sending position, receiving position, lane) of the group with a ring (the
+        # same set on every rank; the control lane's apart).
+        self.rings = rings
+
+    def carries(self, sender: int, receiver: int, flow: Flow) -> bool:
+        """Whether a ring carries `flow` from group position `sender` to `receiver`."""
+        return (sender, receiver, lane(flow)) in self.rings
 
     def sender(self, peer: int, flow: Flow) -> _C.ShmSender | None:
         return self.senders.get((peer, lane(flow)))
@@ -146,15 +141,6 @@ def control_routes(layout: ProcessLayout) -> set[tuple[int, int, int]]:
     return {(s, r, CONTROL) for s in sources for r in range(layout.pp_size) if r != s}
 
 
-def inline_ranks(
-    ranks: int, every: set[tuple[int, int, int]], rings: set[tuple[int, int, int]]
-) -> list[int]:
-    """The positions of the group whose every incoming route (of `every`) is a ring: their
-    compute workers receive their messages themselves. A rank that also receives over the
-    backend keeps its receiving workers, which post those receives ahead of compute."""
-    return [r for r in range(ranks) if all(route in rings for route in every if route[1] == r)]
-
-
 def _ring_name(token: int, sender: int, receiver: int, lane: int) -> str:
     return f"/gpf-{token:016x}-s{sender}-r{receiver}-l{lane}"
 
@@ -227,7 +213,7 @@ def connect(
     }  # fmt: skip
     for (peer, _), receiver in receivers.items():
         guard.poll(receiver.wait_attached, "its shared-memory ring to be attached", peer)
-    links = ShmLinks(senders, receivers, inline_ranks(layout.pp_size, every, rings))
+    links = ShmLinks(senders, receivers, rings)
     if rings == every:
         return links, TransportChoice(SHARED_MEMORY, "the pipe's ranks share this host")
     return links, TransportChoice(

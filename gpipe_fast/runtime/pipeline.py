@@ -29,7 +29,6 @@ from gpipe_fast import _C
 from gpipe_fast.arguments import check_loss_arguments
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.dist_transport import make_transport, skips_between_ranks
 from gpipe_fast.distributed.driver import CrossProcess
 from gpipe_fast.distributed.grad_reduce import sum_gradients
 from gpipe_fast.distributed.held_gradients import summing_this_step_only
@@ -37,8 +36,9 @@ from gpipe_fast.distributed.host_peers import HostPeers, host_peers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
 from gpipe_fast.distributed.sharded import Sharding
-from gpipe_fast.distributed.shm_links import ShmLinks, TransportChoice, connect
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
+from gpipe_fast.distributed.transports.across import skips_between_ranks
+from gpipe_fast.distributed.transports.registry import make_transport, open_media
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.checkpoint import recomputed_microbatches
@@ -150,19 +150,18 @@ class Pipeline:
             if hosts is not None
             else None
         )
-        # Rings to the pipeline group's ranks on this host (CPU cells), made once per pipe.
-        self.links: ShmLinks | None = None
-        self.transport = TransportChoice("in process", "every cell of the pipe runs here")
-        if self.groups is not None and hosts is not None and self.layout.multi_process:
-            self.links, self.transport = connect(
-                self.layout,
-                hosts,
-                self.groups.guard,
-                self.groups.device,
-                skips,
-            )
-            if self.links is not None and self.links.carries_control:
-                self.groups.links = self.links
+        # The media between the pipeline group's processes (rings to the ranks on this host,
+        # for CPU cells), chosen once per pipe.
+        self.media = open_media(
+            self.layout,
+            hosts,
+            self.groups.guard if self.groups is not None else None,
+            self.devices[self.layout.local_stages[0]],
+            skips,
+        )
+        self.transport = self.media.choice
+        if self.groups is not None and self.media.control is not None:
+            self.groups.links = self.media.control
         self.schedules = ScheduleCache(
             self.stage_workers,
             schedule,
@@ -170,7 +169,7 @@ class Pipeline:
             rank=self.layout.pp_index,
             reduce_grad=reduce_grad,
             skips=sorted(skips.pairs()) if skips else (),
-            inline_receives=self.links.inline_ranks if self.links is not None else (),
+            inline_receives=self.media.inline_receives,
         )
         self.recompute_memory = RecomputeMemory(self.devices) if recompute_pool else None
         # One worker per local compute worker, then the communication workers of a lowered
@@ -252,7 +251,7 @@ class Pipeline:
         """A step's transport: in-process, or across the pipeline group's processes."""
         guard = self.groups.guard if self.groups is not None else None
         return make_transport(
-            self.streams, self.devices, self.layout, guard, self.skips_between_ranks, self.links
+            self.streams, self.devices, self.layout, guard, self.media, self.skips_between_ranks
         )
 
     def task_failed(self, error: BaseException) -> None:
@@ -261,8 +260,7 @@ class Pipeline:
         if self.groups is not None:
             guard = self.groups.guard
             guard.report(f"{type(error).__name__}: {error}")
-            if self.links is not None:
-                self.links.fail(f"rank {guard.rank}'s step failed")
+            self.media.fail(f"rank {guard.rank}'s step failed")
 
     def reduce_gradients(self, stage: int) -> None:
         """Stage `stage`'s gradients summed over the data-parallel group."""
@@ -490,9 +488,7 @@ class Pipeline:
 
     def close(self) -> None:
         self.executor.close()
-        if self.links is not None:
-            self.links.release()
-            self.links = None
+        self.media.close()
         if self.recompute_memory is not None:
             self.recompute_memory.close()
 
