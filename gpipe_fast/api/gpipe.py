@@ -30,6 +30,7 @@ from gpipe_fast.device import host
 from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.host_peers import host_peers
 from gpipe_fast.distributed.layout import check_device, make_layout
+from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
 from gpipe_fast.distributed.shm_links import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.materialize import (
@@ -105,6 +106,17 @@ class GPipe(nn.Module):
     ends the step on all, raising :class:`PeerFailure` on the other ranks (the guide's page
     "Training across processes").
 
+    ``dp_shard=True`` (with ``dp_group``) shards each cell over the data-parallel group
+    with FSDP2 instead of replicating it: its layers that hold parameters, then the cell, are
+    FSDP units; parameters, gradients and optimizer state are DTensor shards, 1/dp of the
+    stage per rank (``p.grad.full_tensor()`` is the whole batch's gradient, as with
+    replicas). ``dp_shard_sync`` says when gradients are reduce-scattered:
+    "per_microbatch" (after each micro-batch's backward, unit by unit: the least memory) or
+    "per_step" (once, after the stage's last backward: the fewest collectives);
+    ``reshard_after_forward`` frees each unit after it ran forward (False: the stage stays
+    gathered for the step). ``dp_group`` may be a process group or a one-dimensional
+    DeviceMesh. The guide's page "Training across processes" counts the collectives.
+
     ``threads_per_cell`` sets each CPU cell's intra-op threads. By default your own setting
     (OMP_NUM_THREADS, or ``torch.set_num_threads`` after importing gpipe_fast) is kept;
     otherwise the cores are shared by the cells, or across processes by the job's processes
@@ -138,8 +150,13 @@ class GPipe(nn.Module):
         timeout: float = 300.0,
         init_fn: InitFn | None = None,
         threads_per_cell: int | None = None,
+        dp_shard: bool = False,
+        dp_shard_sync: str = "per_microbatch",
+        reshard_after_forward: bool = True,
     ) -> None:
         super().__init__()
+        dp_group = dp_group_of(dp_group)
+        check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
         if not isinstance(module, nn.Sequential):
             raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
         chunks = check_chunks(chunks)
@@ -210,6 +227,12 @@ class GPipe(nn.Module):
             warn_uninitialised(uninitialised)
         self._unfilled = Unfilled(uninitialised)
         retie(cells, ties, here)
+        if dp_shard and ties:
+            raise ValueError(
+                "dp_shard: tied weights cannot be sharded yet (the pipe holds one copy per "
+                "cell); this model ties "
+                + "; ".join(" = ".join(f"cell {k}'s {name}" for k, name in t.places) for t in ties)
+            )
         tied = TiedGradients(cells, ties, layout)
         local = [cells[k] for k in layout.local_stages] if cells else []
         self.partitions = state_dict.Cells(local)
@@ -260,6 +283,7 @@ class GPipe(nn.Module):
                 skips=skips,
                 hosts=hosts,
                 ready=self._unfilled.check,
+                dp_shard=dp_shard,
             )
             if cells
             else None
@@ -267,6 +291,10 @@ class GPipe(nn.Module):
         live_pipes.add(self)
         if self._pipeline is not None:
             self._pipeline.sync_copies()
+            if dp_shard:
+                self._pipeline.shard(
+                    sync=dp_shard_sync, reshard_after_forward=reshard_after_forward
+                )
         if layout.multi_process and self._pipeline is not None and self._pipeline.groups:
             # get_state_dict(pipe, optimizer) gives the plain model's optimizer state dict,
             # whatever rank holds a layer: a tied weight under its first name, and (without
@@ -452,6 +480,7 @@ class GPipe(nn.Module):
         however many cells and ranks hold it, and ``dp_group`` replicas (whose gradients
         are already summed) count once. Across processes it costs one all-reduce of a few
         numbers over ``pp_group``; call it on every rank, after the step's backward.
+        With ``dp_shard`` the shards of every replica count, over ``dp_group`` too.
         ``norm_type`` is a number > 0 or ``"inf"``; ``max_norm <= 0`` or another norm raises
         ValueError."""
         max_norm, norm_type = check_clip_arguments(max_norm, norm_type)
@@ -461,7 +490,7 @@ class GPipe(nn.Module):
         return clip_grad_norm_(
             self.parameters(), max_norm, norm_type, error_if_nonfinite, foreach,
             counted_elsewhere=tied.counted_elsewhere() if tied else set(),
-            reduce=groups.reduce_over_pipeline if groups is not None else None,
+            reduce=_norm_reduce(pipeline, groups),
             device=groups.device if groups is not None else torch.device("cpu"),
         )  # fmt: skip
 
@@ -723,3 +752,11 @@ def _skip_layout(cells: Sequence[nn.Sequential]) -> SkipLayout | None:
     (None when no skip is stashed and popped)."""
     layout = inspect_skip_layout(cells)
     return layout if layout.routes else None
+
+
+def _norm_reduce(pipeline: Pipeline | None, groups: Any) -> Any:
+    """How a gradient norm's shares are combined: over the pipeline group, and over the
+    data-parallel group too when each replica holds a shard of the gradients."""
+    if groups is None or pipeline is None:
+        return None
+    return groups.reduce_over_all if pipeline.sharding is not None else groups.reduce_over_pipeline

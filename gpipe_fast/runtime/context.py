@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.nn.cell import AutocastState
 from gpipe_fast.nn.randomness import draw_step_seed
 from gpipe_fast.skip.layout import SkipLayout
@@ -31,6 +32,7 @@ class StageServices:
     recompute_memory: RecomputeMemory | None = None
     reduce_gradients: Callable[[int], None] | None = None
     skips: SkipLayout | None = None
+    sharding: Sharding | None = None  # the stages sharded over dp (FSDP2); None: replicated
 
 
 class StepContext:

@@ -94,8 +94,11 @@ def _run_across_processes(pipeline: Pipeline, step: Step, schedule: Any) -> Tens
     losses (None without the last cell, or without loss tasks)."""
     assert pipeline.cross is not None
     run = pipeline.runner
-    return pipeline.cross.run(
+    pipeline.start_sharded_step()
+    losses = pipeline.cross.run(
         lambda: run.committed(lambda: run.train(step, schedule)),
         step.context.transport,
         backward=False,
     )
+    pipeline.end_sharded_step()
+    return losses

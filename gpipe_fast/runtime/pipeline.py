@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from gpipe_fast.distributed.held_gradients import summing_this_step_only
 from gpipe_fast.distributed.host_peers import HostPeers, host_peers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
+from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.distributed.shm_links import ShmLinks, TransportChoice, connect
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
@@ -103,8 +105,12 @@ class Pipeline:
         skips: SkipLayout | None = None,
         hosts: HostPeers | None = None,
         ready: Callable[[], None] | None = None,
+        dp_shard: bool = False,
     ) -> None:
         self.layout = layout or ProcessLayout(None, None, (0,), 0, len(modules))
+        # Sharded stages (FSDP2) reduce-scatter their gradients themselves: no all-reduce.
+        self.dp_shard = dp_shard
+        self.sharding: Sharding | None = None
         self.tied = tied
         # A step may pass target=None to a loss_fn that needs none (a model computing its
         # own loss: gf.pipeline's pipes).
@@ -119,7 +125,7 @@ class Pipeline:
         if self.layout.multi_process:
             worker_ranks = list(range(self.layout.pp_size))
             self.stage_workers = [self.layout.stage_rank(k) for k in range(len(modules))]
-        reduce_grad = self.layout.dp_group is not None
+        reduce_grad = self.layout.dp_group is not None and not dp_shard
         # The learning flags of every cell (also those of other processes: they decide
         # which inputs need a gradient).
         self.learns = [any(p.requires_grad for p in m.parameters()) for m in modules]
@@ -274,7 +280,7 @@ class Pipeline:
         parameter of this process's cells (a tie's tensor once, not its replicas on other
         devices, which are added into it first); else the tied weights' copies."""
         tied = self.tied.local_tensors() if self.tied else []
-        if self.layout.dp_group is None:
+        if self.layout.dp_group is None or self.dp_shard:
             summed = tied if self.layout.multi_process else []
         else:
             members = self.tied.members if self.tied else set()
@@ -298,6 +304,31 @@ class Pipeline:
         if self.layout.dp_group is not None:
             modules = [cell.module for cell in self.local_cells]
             broadcast_replicas(modules, self.layout.dp_group, guard)
+
+    def shard(self, *, sync: str, reshard_after_forward: bool) -> None:
+        """Shards every local cell over the data-parallel group (after sync_copies: each
+        replica keeps its share of the same weights)."""
+        assert self.layout.dp_group is not None, "sharding needs a dp_group"
+        self.sharding = Sharding(
+            [cell.module if cell is not None else None for cell in self.cells],
+            self.devices,
+            self.layout.dp_group,
+            sync=sync,
+            reshard_after_forward=reshard_after_forward,
+            split=self.split_backward,
+        )
+        self.services = replace(self.services, sharding=self.sharding)
+
+    def start_sharded_step(self) -> None:
+        if self.sharding is not None:
+            self.sharding.start_step()
+
+    def end_sharded_step(self) -> None:
+        """After a step of sharded cells: the replicas ran the same tasks, and no unit is
+        left whole (an evaluation's forward may leave them gathered)."""
+        if self.sharding is not None:
+            self.sharding.check_order()
+            self.sharding.reshard()
 
     def may_draw_random(self) -> bool:
         return any(cell.may_draw_random() for cell in self.local_cells)
@@ -324,7 +355,9 @@ class Pipeline:
             self.live_steps.add(step)
         if self.tied:
             self.tied.before_step()
+        self.start_sharded_step()
         outputs = self.runner.committed(lambda: self.runner.forward(step))
+        self.end_sharded_step()
         if not track:
             return gather(outputs)
         gathered = gather([map_tensors(Tensor.detach, o) for o in outputs])
@@ -430,6 +463,7 @@ class Pipeline:
             loss_scale,
         )  # fmt: skip
         run = self.runner
+        self.start_sharded_step()
         # Gradients left to accumulate from earlier steps stay out of this step's sums.
         with summing_this_step_only(self.summed_across_ranks()):
             local = cross.run(
@@ -437,6 +471,7 @@ class Pipeline:
                 step.context.transport,
                 backward=True,
             )
+        self.end_sharded_step()
         loss = cross.loss(local)
         if given:
             _accumulate_input_grads(given, step.context.input_needs_grad, step.context.input_grads)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
@@ -123,6 +123,8 @@ class Stage:
                     self.receives.append((route.key, route.stash_cell))
         self.skips_in: list[dict[SkipKey, Tensor | None] | None] = [None] * count
         self.skips_out: list[dict[SkipKey, Tensor | None] | None] = [None] * count
+        sharding = step.services.sharding
+        self.sharded = sharding.cells.get(self.index) if sharding is not None else None
 
     def release(self) -> None:
         """Drops every micro-batch's stashed values (after a failed step). They hold their
@@ -136,6 +138,27 @@ class Stage:
         self.weight_roots = [None] * count
         self.skips_in = [None] * count
         self.skips_out = [None] * count
+        if self.sharded is not None:
+            self.sharded.reset()
+
+    def sharded_task(self, name: str, method: Callable[[int], None]) -> Callable[[int], None]:
+        """`method` (the action `name`) run as one task of the sharded cell: alone, recorded
+        for the replicas' comparison; a weight half on gathered units; the micro-batch's
+        last backward task followed by what the sharding policy reduces then."""
+        sharded = self.sharded
+        assert sharded is not None
+        last_backward = "backward_weight" if self.step.split else "backward"
+        count = self.step.count
+
+        def run(m: int) -> None:
+            with sharded.task(name, m):
+                if name == "backward_weight":
+                    sharded.gather()
+                method(m)
+                if name == last_backward:
+                    sharded.backward_done(count)
+
+        return run
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -288,7 +311,7 @@ class Stage:
         boundaries = self.boundaries[m]
         assert boundaries is not None, "backward_input needs the split forward's boundaries"
         self.boundaries[m] = None
-        learning = self.cell.layer_parameters()
+        learning = self._layer_parameters()
         weight_roots = []
         # Skip gradients by key: those of this stage's stashes (from the stages that popped
         # them), then those of pops inside the stage, found layer by layer going back.
@@ -333,7 +356,7 @@ class Stage:
             return
         roots = [root for roots, _ in pending for root in roots]
         grads = [grad for _, grads in pending for grad in grads]
-        params = {id(p): p for layer in self.cell.layer_parameters() for p in layer}
+        params = {id(p): p for layer in self._layer_parameters() for p in layer}
         with self.cell.streams.on(self.index), torch.enable_grad():
             torch.autograd.backward(roots, grads, inputs=list(params.values()))
 
@@ -371,6 +394,12 @@ class Stage:
         reduce(self.index)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _layer_parameters(self) -> list[list[Tensor]]:
+        """Per layer, its learning parameters as its graph holds them."""
+        if self.sharded is not None:
+            return self.sharded.layer_parameters()
+        return self.cell.layer_parameters()
 
     def _run(self, value: Tree, m: int, **kwargs: Any) -> Tree:
         step = self.step

@@ -42,10 +42,20 @@ def _missing_action(name: str, stage: int) -> Callable[[int], None]:
     return run
 
 
+# The actions that run a sharded cell's layers (and so its FSDP collectives).
+SHARDED_ACTIONS = frozenset(
+    {"forward", "recompute", "backward", "backward_input", "backward_weight"}
+)
+
+
 def _method(stage: Stage | None, name: str, index: int) -> Callable[[int], None]:
     """The stage's method for action `name` (an attribute that is not callable is none)."""
     method = getattr(stage, name, None)
-    return method if callable(method) else _missing_action(name, index)
+    if not callable(method):
+        return _missing_action(name, index)
+    if stage is not None and stage.sharded is not None and name in SHARDED_ACTIONS:
+        return stage.sharded_task(name, method)
+    return method  # type: ignore[no-any-return]
 
 
 class StepOwner(Protocol):

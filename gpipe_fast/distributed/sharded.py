@@ -1,0 +1,262 @@
+"""Each stage sharded over its data-parallel group with FSDP2, and when it communicates.
+
+A cell's layers that hold parameters are FSDP units, then the cell itself (the root of its
+units, holding whatever parameters no layer owns). A unit's parameters, gradients and the
+optimizer's state are shards at rest: 1/dp of the unit per rank, plus padding. Within a
+task a unit is gathered (all-gather) when it runs and, as the policy says, freed again.
+
+The policy (``dp_shard_sync``, ``reshard_after_forward``; the guide counts the
+collectives each makes):
+
+- ``"per_microbatch"``: a micro-batch's gradients are reduce-scattered as its backward
+  goes, unit by unit (FSDP's own hooks), so that no more than one unit's gradients are
+  ever whole. With a split backward (zero bubble, zbv) the weight half comes later, so the
+  reduce-scatter follows each micro-batch's weight task instead.
+- ``"per_step"``: gradients accumulate whole and are reduce-scattered once, after the
+  stage's last backward task: the fewest collectives, the memory of the whole stage's
+  gradients during the step.
+
+Every unit's collectives run on the thread of its cell's worker, one task at a time, in
+the program's order, which is the same on every replica; each cell has a process group of
+its own, so that two cells of one process never interleave collectives on one group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+SYNCS = ("per_microbatch", "per_step")
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _state(module: Any) -> Any:
+    """FSDP's state of a unit (its private object: the per-group post-backward and the
+    end-of-backward callback are not public; torch.distributed.pipelining calls them too)."""
+    return fully_shard.state(module)  # type: ignore[attr-defined]
+
+
+def dp_group_of(dp_group: Any) -> Any:
+    """The process group of `dp_group`: a process group, or a one-dimensional DeviceMesh."""
+    if isinstance(dp_group, DeviceMesh):
+        if dp_group.ndim != 1:
+            raise ValueError(
+                f"dp_group: a DeviceMesh must be one-dimensional, got {dp_group.ndim} "
+                f"dimensions {dp_group.mesh_dim_names}; pass mesh['dp']"
+            )
+        return dp_group.get_group()
+    return dp_group
+
+
+def check_sharding(
+    dp_shard: object, sync: object, reshard_after_forward: object, dp_group: Any
+) -> None:
+    """ValueError or TypeError naming the sharding argument that does not fit."""
+    for name, value in (("dp_shard", dp_shard), ("reshard_after_forward", reshard_after_forward)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    if sync not in SYNCS:
+        raise ValueError(
+            f"dp_shard_sync must be one of {', '.join(map(repr, SYNCS))}, got {sync!r}"
+        )
+    if dp_shard and dp_group is None:
+        raise ValueError("dp_shard: sharding needs a dp_group to shard each stage over")
+
+
+class ShardedCell:
+    """One cell's FSDP units over its own copy of the data-parallel group, and the work its
+    stage's tasks add around them."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        group: Any,
+        device: torch.device,
+        *,
+        sync: str,
+        reshard_after_forward: bool,
+        split: bool,
+    ) -> None:
+        self.index = index
+        self.group = group
+        mesh = DeviceMesh.from_group(group, device.type)
+        layers = [layer for layer in module.children() if _owns_parameters(layer)]
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.root: FSDPModule = module  # type: ignore[assignment]
+        self.units: list[FSDPModule] = [*layers, self.root]  # type: ignore[list-item]
+        self.layers = list(module.children())
+        for unit in self.units:
+            # The loss weights already make each replica's gradient its share of the whole
+            # batch's: the replicas' gradients are summed, not averaged.
+            unit.set_gradient_divide_factor(1.0)
+            # FSDP prefetches the unit that ran before in its record of forwards; with
+            # several micro-batches in flight that is another micro-batch's unit, gathered
+            # for nothing. A unit named as its own prefetch makes it a no-op.
+            unit.set_modules_to_backward_prefetch([unit])
+        # The root is known before any forward: a split forward calls the layers alone.
+        _state(module)._lazy_init()
+        self.split = split
+        self.sync = sync
+        # FSDP's own hooks reduce-scatter unit by unit only when the backward is whole.
+        self.native = sync == "per_microbatch" and not split
+        # A weight half gathers what it needs itself; so the stage stays whole between
+        # tasks only when nothing asks to free it.
+        self.reshard_after_backward = self.native or reshard_after_forward
+        self._set(sync=self.native, reshard=self.reshard_after_backward)
+        self._busy = threading.Lock()
+        self._digest = hashlib.sha1()
+        self.backwards = 0
+
+    def _set(self, *, sync: bool, reshard: bool) -> None:
+        self.root.set_requires_gradient_sync(sync, recurse=True)
+        self.root.set_reshard_after_backward(reshard, recurse=True)
+
+    # -- around the stage's tasks ----------------------------------------------------------
+
+    @contextmanager
+    def task(self, action: str, microbatch: int) -> Iterator[None]:
+        """One task's FSDP work: refused if another task of the cell is in flight (FSDP's
+        state is one per cell), and recorded so that replicas can compare their orders."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"gpipe_fast: cell {self.index}'s sharded stage ran two tasks at once "
+                f"({action} {microbatch} while another was running); its FSDP work must "
+                "run one task at a time"
+            )
+        try:
+            self._digest.update(f"{action}:{microbatch};".encode())
+            yield
+        finally:
+            self._busy.release()
+
+    def gather(self) -> None:
+        """Every unit whole (before a weight half of a split backward, whose graph reads the
+        parameters that FSDP's backward hooks freed after the input half)."""
+        for unit in self.units:
+            unit.unshard()
+
+    def backward_done(self, count: int) -> None:
+        """After a micro-batch's last backward task on this stage (of `count` in the step):
+        its gradients reduce-scattered where the policy says so."""
+        self.backwards += 1
+        if self.native:
+            return
+        if self.sync == "per_microbatch" or self.backwards == count:
+            self.reduce_scatter()
+
+    def reduce_scatter(self) -> None:
+        """The whole gradients each unit holds reduce-scattered into its shards (added to
+        what they hold), the units freed. As torch.distributed.pipelining ends a stage's
+        backward: FSDP's post-backward per group, then its end-of-backward callback."""
+        self._set(sync=True, reshard=True)
+        try:
+            state = _state(self.root)
+            for unit_state in state._state_ctx.all_states:
+                for group in reversed(unit_state._fsdp_param_groups):
+                    group.post_backward()
+            state._root_post_backward_final_callback()
+        finally:
+            self._set(sync=self.native, reshard=self.reshard_after_backward)
+
+    def reshard(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    def start_step(self) -> None:
+        self.backwards = 0
+        self._digest = hashlib.sha1()
+
+    def digest(self) -> int:
+        """The order of this step's tasks, as a number replicas compare."""
+        return int.from_bytes(self._digest.digest()[:7], "little")
+
+    def layer_parameters(self) -> list[list[Tensor]]:
+        """Per layer, the parameters its autograd graph holds (a unit's whole ones, FSDP's
+        gathered tensors: not the shards the module shows between tasks)."""
+        out: list[list[Tensor]] = []
+        for layer in self.layers:
+            state = _state(layer) if isinstance(layer, FSDPModule) else None
+            if state is None:
+                out.append([p for p in layer.parameters() if p.requires_grad])
+                continue
+            out.append([
+                fsdp_param.unsharded_param
+                for group in state._fsdp_param_groups
+                for fsdp_param in group.fsdp_params
+                if fsdp_param.sharded_param.requires_grad
+            ])  # fmt: skip
+        return out
+
+    def reset(self) -> None:
+        """After a failed step: FSDP's state of the step dropped, the units freed."""
+        _state(self.root)._reset_iter_state()
+        self._set(sync=self.native, reshard=self.reshard_after_backward)
+        self.reshard()
+
+
+class Sharding:
+    """The sharded cells of this process, by stage."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module | None],
+        devices: Sequence[torch.device],
+        dp_group: Any,
+        *,
+        sync: str,
+        reshard_after_forward: bool,
+        split: bool,
+    ) -> None:
+        ranks = dist.get_process_group_ranks(dp_group)
+        self.cells: dict[int, ShardedCell] = {}
+        for k, module in enumerate(modules):
+            if module is None:
+                continue
+            # A group per cell: cells of one process run on their own workers at once.
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            self.cells[k] = ShardedCell(
+                k, module, group, devices[k], sync=sync,
+                reshard_after_forward=reshard_after_forward, split=split,
+            )  # fmt: skip
+
+    def start_step(self) -> None:
+        for cell in self.cells.values():
+            cell.start_step()
+
+    def check_order(self) -> None:
+        """Every replica ran each cell's tasks in the same order (one small all-gather per
+        cell); RuntimeError naming the cell and the ranks otherwise."""
+        for k, cell in self.cells.items():
+            mine = torch.tensor([cell.digest()], dtype=torch.int64)
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size(cell.group))]
+            dist.all_gather(every, mine, group=cell.group)
+            if any(int(t) != int(mine) for t in every):
+                ranks = dist.get_process_group_ranks(cell.group)
+                raise RuntimeError(
+                    f"gpipe_fast: the replicas of cell {k} (ranks {ranks}) ran its sharded "
+                    "tasks in different orders; every replica must run the same schedule "
+                    "with the same chunks"
+                )
+
+    def reshard(self) -> None:
+        for cell in self.cells.values():
+            cell.reshard()
+
+    def reset(self) -> None:
+        for cell in self.cells.values():
+            cell.reset()
