@@ -30,14 +30,14 @@ MIB = 2**20
 # The model family: a residual MLP of fixed width, grown by depth (see Block). The batch is
 # per replica, so a dp=2 row trains twice the samples and only the sharding changes what a
 # rank holds. A block keeps 5 * BATCH * WIDTH floats for its backward (the ReLU's output and
-# its own), about its parameters' training state (16 bytes per parameter with AdamW:
-# weights, gradients, two moments), so that both terms matter.
+# its own): 640 KiB, a little more than its parameters' training state (16 bytes per
+# parameter with AdamW: weights, gradients, two moments, 517 KiB), so that both matter.
 WIDTH = 64
-BATCH = 384
+BATCH = 512
 CHUNKS = 4
 STEPS = 3  # the first creates AdamW's state; the step time is the median of the others
 # Address space above the calibrated interpreter (see calibrate), per rank.
-BUDGET_MIB = {"full": 192, "quick": 48}
+BUDGET_MIB = {"full": 128, "quick": 48}
 PIPE_TIMEOUT_S = 120.0  # every wait of a pipe on another rank
 WORLD_TIMEOUT_S = 900.0  # one configuration's whole search
 # glibc settings read at process start: every tensor of 64 KiB or more is its own mapping,
@@ -170,8 +170,8 @@ class NoFit(Exception):
 
 
 def settled(lo: int, hi: int) -> bool:
-    """Whether the bounds are close enough: 1 block per stage, or 1/32 of what fits."""
-    return hi - lo <= max(1, lo // 32)
+    """Whether the bounds are close enough: 1 block per stage, or 1/16 of what fits."""
+    return hi - lo <= max(1, lo // 16)
 
 
 def search_largest(fits: Callable[[int], bool], lo: int = 0, hi: int | None = None) -> int:

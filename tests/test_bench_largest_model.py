@@ -43,8 +43,8 @@ def test_the_search_finds_the_largest_fit_to_its_resolution(largest: int) -> Non
     assert len(asked) == len(set(asked))  # no trial twice
     assert found <= largest
     failed = min(n for n in asked if n > largest)
-    assert lm.settled(found, failed)  # within 1 block or 1/32 of the answer
-    assert largest - found <= max(1, found // 32)
+    assert lm.settled(found, failed)  # within 1 block or 1/16 of the answer
+    assert largest - found <= max(1, found // 16)
 
 
 def test_a_resumed_search_goes_on_from_its_bounds() -> None:
