@@ -104,6 +104,9 @@ class ShardedCell:
             # The loss weights already make each replica's gradient its share of the whole
             # batch's: the replicas' gradients are summed, not averaged.
             unit.set_gradient_divide_factor(1.0)
+            # Given a factor, FSDP reduces float32 and bfloat16 with a pre-multiplied sum,
+            # which gloo does not have; a plain sum (and a division by 1) works everywhere.
+            unit.set_force_sum_reduction_for_comms(True)
             # FSDP prefetches the unit that ran before in its record of forwards; with
             # several micro-batches in flight that is another micro-batch's unit, gathered
             # for nothing. A unit named as its own prefetch makes it a no-op.
