@@ -486,7 +486,7 @@ def run_world(
 ) -> World:
     """The search of `config` from bounds (lo, hi) in one fresh world of processes, until
     it settles or a trial does not fit; or only the trial of `trial` blocks per stage."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     with tempfile.TemporaryDirectory(prefix="largest_model_") as name:
         folder = Path(name)
@@ -594,7 +594,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run_table(configs: Sequence[Config], budget_mib: int) -> list[Result]:
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     results = []
     available = dp_shard_available()
@@ -614,7 +614,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=int, help="address space per rank above the "
                         f"calibrated interpreter (default: {BUDGET_MIB['full']}, --quick: "
                         f"{BUDGET_MIB['quick']})")  # fmt: skip
-    parser.add_argument("--only", help="configurations whose name contains this text")
+    parser.add_argument("--only", action="append", default=[],
+                        help="configurations whose name contains this text (repeatable)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows and every trial here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -626,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank_main(json.loads(args.worker))
         return 0
     budget = args.budget_mib or BUDGET_MIB["quick" if args.quick else "full"]
-    configs = [c for c in CONFIGS if not args.only or args.only in c.name]
+    configs = [c for c in CONFIGS if not args.only or any(o in c.name for o in args.only)]
     started = time.perf_counter()
     results = run_table(configs, budget)
     baseline = next((r for r in results if r.config == BASELINE), None)
