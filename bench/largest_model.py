@@ -615,7 +615,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"calibrated interpreter (default: {BUDGET_MIB['full']}, --quick: "
                         f"{BUDGET_MIB['quick']})")  # fmt: skip
     parser.add_argument("--only", action="append", default=[],
-                        help="configurations whose name contains this text (repeatable)")  # fmt: skip
+                        help="configurations whose name has this text (repeatable)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows and every trial here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
