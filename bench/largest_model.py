@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -593,19 +594,38 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run_table(configs: Sequence[Config], budget_mib: int) -> list[Result]:
+def run_table(
+    configs: Sequence[Config], budget_mib: int, done: Callable[[list[Result]], None] | None = None
+) -> list[Result]:
+    """Every configuration's search in turn; `done(results so far)` after each."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    results = []
+    results: list[Result] = []
     available = dp_shard_available()
     with tqdm(desc="largest model", unit="trial", total=len(configs) * 12) as progress:
         for config in configs:
             progress.set_postfix_str(config.name)
             if config.dp_shard and not available:
                 results.append(Result(config, "n/a (dp_shard not available)"))
-                continue
-            results.append(search_config(config, budget_mib, progress))
+            else:
+                results.append(search_config(config, budget_mib, progress))
+            if done is not None:
+                done(results)
     return results
+
+
+def rows_of(results: Sequence[Result]) -> list[dict[str, Any]]:
+    baseline = next((r for r in results if r.config == BASELINE), None)
+    return [row(result, baseline) for result in results]
+
+
+def write_record(path: Path, budget_mib: int, results: Sequence[Result]) -> None:
+    """The rows and every trial, rewritten after each configuration (a long run that is
+    stopped keeps what it measured)."""
+    record = {"width": WIDTH, "batch": BATCH, "chunks": CHUNKS, "steps": STEPS,
+              "budget_mib": budget_mib, "dp_shard_available": dp_shard_available(),
+              "rows": rows_of(results), "results": [asdict(r) for r in results]}  # fmt: skip
+    path.write_text(json.dumps(record, indent=1, default=str))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -629,20 +649,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = args.budget_mib or BUDGET_MIB["quick" if args.quick else "full"]
     configs = [c for c in CONFIGS if not args.only or any(o in c.name for o in args.only)]
     started = time.perf_counter()
-    results = run_table(configs, budget)
-    baseline = next((r for r in results if r.config == BASELINE), None)
-    rows = [row(result, baseline) for result in results]
+    json_path = args.json
+    write = None if json_path is None else partial(write_record, json_path, budget)
+    results = run_table(configs, budget, write)
     print(
         f"\nwidth {WIDTH}, batch {BATCH} per replica, {CHUNKS} micro-batches, AdamW, "
         f"{STEPS} steps per trial; cap per rank: its calibrated address space + {budget} MiB"
     )
-    print(table(rows))
+    print(table(rows_of(results)))
     print(f"({time.perf_counter() - started:.0f} s)")
-    if args.json:
-        record = {"width": WIDTH, "batch": BATCH, "chunks": CHUNKS, "steps": STEPS,
-                  "budget_mib": budget, "dp_shard_available": dp_shard_available(),
-                  "rows": rows, "results": [asdict(r) for r in results]}  # fmt: skip
-        args.json.write_text(json.dumps(record, indent=1, default=str))
     return 0 if all(not r.status.startswith("error") for r in results) else 1
 
 
