@@ -39,6 +39,10 @@ CHUNKS = 4
 STEPS = 3  # the first creates AdamW's state; the step time is the median of the others
 # Address space above the calibrated interpreter (see calibrate), per rank.
 BUDGET_MIB = {"full": 128, "quick": 48}
+# A world ends once a trial's cleanup leaves its address space this far above the
+# calibration's (a library that keeps threads or groups per pipe would shrink the budget of
+# every later trial).
+LEAK_SLACK = 16 * MIB
 PIPE_TIMEOUT_S = 120.0  # every wait of a pipe on another rank
 WORLD_TIMEOUT_S = 900.0  # one configuration's whole search
 # glibc settings read at process start: every tensor of 64 KiB or more is its own mapping,
@@ -168,6 +172,11 @@ def depth_of(config: Config, per_stage: int) -> int:
 
 class NoFit(Exception):
     """A trial did not fit: its world ends, and the search goes on in fresh processes."""
+
+
+class Leaked(Exception):
+    """A trial left address space behind: its world ends, and the search goes on in fresh
+    processes (where the next trial has the whole budget)."""
 
 
 def settled(lo: int, hi: int) -> bool:
@@ -395,6 +404,8 @@ def rank_main(spec: dict[str, Any]) -> None:
             raise RuntimeError(f"the trial of {per_stage} blocks per stage failed: {records}")
         if outcome == OOM:
             raise NoFit
+        if agree(int(status_bytes("VmSize") > base + LEAK_SLACK), world):
+            raise Leaked
         return True
 
     try:
@@ -402,7 +413,7 @@ def rank_main(spec: dict[str, Any]) -> None:
             events.write(event="done", per_stage=spec["trial"] if fits(spec["trial"]) else 0)
         else:
             events.write(event="done", per_stage=search_largest(fits, spec["lo"], spec["hi"]))
-    except NoFit:
+    except (NoFit, Leaked):
         pass
     uncap_address_space()
     if world > 1:
