@@ -45,6 +45,9 @@ BUDGET_MIB = {"full": 128, "quick": 48}
 LEAK_SLACK = 16 * MIB
 PIPE_TIMEOUT_S = 120.0  # every wait of a pipe on another rank
 WORLD_TIMEOUT_S = 900.0  # one configuration's whole search
+# One trial, or the calibration: a world silent for longer is ended, its trial counted as not
+# fitting (a rank refused memory inside a collective that waits for its peers unbounded).
+TRIAL_TIMEOUT_S = 300.0
 # glibc settings read at process start: every tensor of 64 KiB or more is its own mapping,
 # unmapped when freed, and at most 2 arenas, so that the resident set and the address
 # space follow the live tensors (the peak of VmHWM matched live tensor bytes to 2-4%).
@@ -450,11 +453,15 @@ def launch(config: Config, folder: Path, **spec: Any) -> list[Any]:
 
 
 def follow(processes: list[Any], events: Path, timeout_s: float, progress: Any) -> list[int]:
-    """Waits for the world to end (or `timeout_s`), advancing `progress` per trial; a rank
-    that failed ends the others (they would wait for it up to their timeouts)."""
-    deadline, seen = time.monotonic() + timeout_s, 0
-    while time.monotonic() < deadline:
-        trials = sum(e["event"] == "trial" for e in read_events(events))
+    """Waits for the world to end (or `timeout_s`, or TRIAL_TIMEOUT_S without news),
+    advancing `progress` per trial; a rank that failed ends the others (they would wait for
+    it up to their timeouts)."""
+    deadline, seen, events_seen, last_event = time.monotonic() + timeout_s, 0, 0, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - last_event < TRIAL_TIMEOUT_S:
+        read = read_events(events)
+        if len(read) > events_seen:
+            events_seen, last_event = len(read), time.monotonic()
+        trials = sum(e["event"] == "trial" for e in read)
         progress.update(trials - seen)
         seen = trials
         codes = [process.poll() for process in processes]
@@ -554,7 +561,9 @@ def search_config(config: Config, budget_mib: int, progress: Any = None) -> Resu
             result.status = f"error: a world ran no trial: {last_line(world.errors)}"
             return result
         if died is not None:
-            result.trials.append({"per_stage": died, "outcome": "rank died", "codes": world.codes})
+            result.trials.append(
+                {"per_stage": died, "outcome": "rank died or hung", "codes": world.codes}
+            )
         lo, hi = next_bounds(result.trials, lo, hi)
     result.per_stage = lo
     return result
