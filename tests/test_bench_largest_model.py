@@ -56,7 +56,8 @@ def test_a_resumed_search_goes_on_from_its_bounds() -> None:
 
     assert lm.search_largest(fits, lo=16, hi=32) == 21
     assert all(16 < n < 32 for n in asked)
-    trials = [{"per_stage": 16, "outcome": "fit"}, {"per_stage": 32, "outcome": "rank died or hung"},
+    trials = [{"per_stage": 16, "outcome": "fit"},
+              {"per_stage": 32, "outcome": "rank died or hung"},
               {"per_stage": 24, "outcome": "out of memory"}]  # fmt: skip
     assert lm.next_bounds(trials, 0, None) == (16, 24)
 
