@@ -70,7 +70,9 @@ class _Waiters:
     stopped sending) holds up neither its caller nor the interpreter's exit."""
 
     def __init__(self, threads: int) -> None:
-        self.queue: queue.Queue[_Waiting] = queue.Queue()
+        # None tells a thread to end (see close).
+        self.queue: queue.Queue[_Waiting | None] = queue.Queue()
+        self.threads = threads
         for index in range(threads):
             thread = threading.Thread(
                 target=self._serve, name=f"gpipe-comm-wait-{index}", daemon=True
@@ -80,6 +82,8 @@ class _Waiters:
     def _serve(self) -> None:
         while True:
             waiting = self.queue.get()
+            if waiting is None:
+                return
             try:
                 _wait_all(waiting.requests)
             except BaseException as error:
@@ -91,6 +95,12 @@ class _Waiters:
         waiting = _Waiting(requests)
         self.queue.put(waiting)
         return waiting
+
+    def close(self) -> None:
+        """Ends the threads without waiting for them: an idle one at once, one still blocked
+        in a wait given up (a failed step) once that wait ends."""
+        for _ in range(self.threads):
+            self.queue.put(None)
 
 
 class Guard:
@@ -227,6 +237,11 @@ class Guard:
                 return True
             time.sleep(CHECK_EVERY_S)
         return not self.origin
+
+    def close(self) -> None:
+        """Ends the helper threads of the waits (the pipe is closed: no step waits again).
+        A failure this rank reported is still read at exit by the other ranks (linger)."""
+        self._waiters.close()
 
     def check(self) -> None:
         message = self.failure()

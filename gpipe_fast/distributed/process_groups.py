@@ -58,6 +58,9 @@ class ProcessGroups:
             processes=hosts.liveness() if hosts is not None else None,
         )
 
+    def close(self) -> None:
+        self.guard.close()
+
     def check_usable(self) -> None:
         """Starts a step: refuses it after one failed anywhere (see FAILED_STEP_ADVICE). A
         failure of this very step (another rank may be ahead: nothing holds the ranks together

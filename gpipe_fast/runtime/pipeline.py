@@ -491,6 +491,8 @@ class Pipeline:
         self.media.close()
         if self.recompute_memory is not None:
             self.recompute_memory.close()
+        if self.groups is not None:  # its helper threads, one pipe's worth per pipe built
+            self.groups.close()
 
 
 def _accumulate_input_grads(
