@@ -44,10 +44,11 @@ from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.planning.balance import balance_by_params
+from gpipe_fast.runtime.autograd_call import autograd_call
 from gpipe_fast.runtime.context import LossFn
-from gpipe_fast.runtime.evaluate import eval_step, forward_across_processes
 from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
+from gpipe_fast.runtime.step_path import StepRequest, run_step
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import check_schedule, schedule_kind
 from gpipe_fast.skip.layout import SkipLayout, inspect_skip_layout
@@ -408,9 +409,10 @@ class GPipe(nn.Module):
             return input
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
             # Checked at the step's start on every rank (see _check_initialised).
-            return forward_across_processes(self._pipeline, input, self.chunks)  # type: ignore[return-value]
+            forward = StepRequest("forward", self.chunks)
+            return run_step(self._pipeline, forward, input, None)  # type: ignore[no-any-return]
         self._unfilled.check()
-        return self._pipeline.run(input, self.chunks, self.checkpoint, self.training)
+        return autograd_call(self._pipeline, input, self.chunks, self.checkpoint, self.training)
 
     def train_step(
         self,
@@ -460,13 +462,11 @@ class GPipe(nn.Module):
             device = pipeline.devices[pipeline.layout.local_stages[-1]]
             loss_scale = grad_scaler.scale(torch.ones((), device=device))
 
-        def train() -> torch.Tensor:
-            return pipeline.train_step(
-                input, target, loss_fn, chunks=self.chunks, checkpoint=self.checkpoint,
-                training=self.training, reduction=reduction, loss_scale=loss_scale,
-            )  # fmt: skip
-
-        return self._timed_step(train)
+        train = StepRequest(
+            "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
+            reduction, loss_scale,
+        )  # fmt: skip
+        return self._timed_step(lambda: run_step(pipeline, train, input, target))
 
     def clip_grad_norm_(
         self,
@@ -526,11 +526,8 @@ class GPipe(nn.Module):
             with torch.no_grad():
                 return _identity_loss(input, target, loss_fn)
         self._check_initialised()
-        return self._timed_step(
-            lambda: eval_step(
-                pipeline, input, target, loss_fn, chunks=self.chunks, reduction=reduction
-            )
-        )
+        evaluate = StepRequest("evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction)
+        return self._timed_step(lambda: run_step(pipeline, evaluate, input, target))
 
     def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Runs a step; while recording, keeps how long the call took (its own work around

@@ -33,30 +33,35 @@ def _attempt() -> str:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
+def pipe_guard(timeout_s: float, hosts: HostPeers | None = None) -> Guard:
+    """The guard of one pipe's waits across processes, keyed in the default store by the
+    pipe's number (pipes are built in the same order on every rank) and the job's attempt."""
+    return Guard(
+        c10d._get_default_store(),
+        f"gpipe_fast/attempt{_attempt()}/pipe{next(_PIPES)}",
+        dist.get_rank(),
+        timeout_s,
+        peers=dist.get_world_size() - 1,
+        processes=hosts.liveness() if hosts is not None else None,
+    )
+
+
 class ProcessGroups:
-    """A pipe's steps across processes: the guard of their waits and what the ranks agree on."""
+    """A pipe's steps across processes: the guard of their waits and what the ranks agree on.
+    `links`: the pipe's rings when they carry the step's agreed values (every rank on this
+    host): the batch size and the loss go through them instead of two broadcasts."""
 
     def __init__(
         self,
         layout: ProcessLayout,
         device: torch.device,
-        timeout_s: float,
-        hosts: HostPeers | None = None,
+        guard: Guard,
+        links: ShmLinks | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
-        # The pipe's rings, once made, when they carry the step's agreed values (every rank on
-        # this host): the batch size and the loss go through them instead of two broadcasts.
-        self.links: ShmLinks | None = None
-        store = c10d._get_default_store()
-        self.guard = Guard(
-            store,
-            f"gpipe_fast/attempt{_attempt()}/pipe{next(_PIPES)}",
-            dist.get_rank(),
-            timeout_s,
-            peers=dist.get_world_size() - 1,
-            processes=hosts.liveness() if hosts is not None else None,
-        )
+        self.guard = guard
+        self.links = links
 
     def close(self) -> None:
         self.guard.close()

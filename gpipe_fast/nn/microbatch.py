@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -167,3 +168,32 @@ def scatter_target(target: Any, batch: int, chunks: int) -> list[Any]:
     if size != batch:
         raise ValueError(f"target has batch size {size} (dim 0) but input has {batch}")
     return scatter(target, chunks)
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """What this process brings to a step: the input's tensors and micro-batches (empty
+    without cell 0), the targets (None each without the last cell, or without a target),
+    and the batch sizes: this pipeline's, and the total over every replica."""
+
+    given: tuple[Tensor, ...]
+    microbatches: list[Value]
+    targets: list[Any]
+    batch: int
+    total: int
+
+    @property
+    def count(self) -> int:
+        return len(self.targets)
+
+
+def whole_batch(input: Value | None, target: Any, chunks: int, *, needs_target: bool) -> BatchShare:
+    """A step's share in one process: the whole batch and, when `needs_target`, its target."""
+    given = as_tensors(input, "input")
+    batch = batch_size(given, "input")
+    with torch.no_grad():
+        microbatches = scatter(given[0] if isinstance(input, Tensor) else given, chunks)
+        targets = (
+            scatter_target(target, batch, chunks) if needs_target else [None] * len(microbatches)
+        )
+    return BatchShare(given, microbatches, targets, batch, batch)

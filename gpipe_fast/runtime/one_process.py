@@ -1,0 +1,54 @@
+"""The one-process side of a pipe's steps: every cell runs here, so nothing is agreed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.transports.registry import IN_PROCESS, PipeMedia
+from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
+from gpipe_fast.nn.tied import TiedGradients
+from gpipe_fast.transport.local import LocalTransport
+from gpipe_fast.transport.protocol import Transport
+
+T = TypeVar("T")
+
+
+class OneProcess:
+    """The step path's side when every cell of the pipe runs in this process and no replica
+    runs elsewhere (distributed/driver.py's CrossProcess is the other side): the whole batch
+    is the share, the loss is this process's, and only the ties' device replicas are summed."""
+
+    def __init__(self, tied: TiedGradients | None) -> None:
+        self.tied = tied
+        self.media = PipeMedia(IN_PROCESS)
+
+    def report(self, error: BaseException) -> None:
+        """Nobody else to tell: the step's error reaches its caller."""
+
+    def make_transport(self, streams: CellStreams, devices: Sequence[torch.device]) -> Transport:
+        return LocalTransport(streams, devices)
+
+    def share(
+        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+    ) -> BatchShare:
+        return whole_batch(input, target, chunks, needs_target=needs_target)
+
+    def run(self, run: Callable[[], T], *, backward: bool) -> T:
+        return run()
+
+    def after_backward(self) -> None:
+        """Each tie's gradient summed from its replicas on other devices into its tensor."""
+        if self.tied:
+            self.tied.after_backward()
+
+    def loss(self, local: Tensor | None) -> Tensor:
+        assert local is not None, "the last cell runs here"
+        return local
+
+    def close(self) -> None:
+        pass

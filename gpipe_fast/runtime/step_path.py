@@ -1,0 +1,153 @@
+"""The one path of every step run as a whole schedule: train_step, eval_step, pipe(x) apart.
+
+It serves train_step, eval_step, and pipe(x) without gradients across processes.
+
+A step is data (a StepRequest: its program, how its batch is split, its loss); it runs on
+one of two sides, one process (runtime/one_process.py) or across processes
+(distributed/driver.py), which say what the step's share of the batch is, what happens
+around this process's run (failure agreement, sums across ranks, sharded cells) and what
+loss every rank gets. Ties, skips (in the transport) and the loss scale hook in here once.
+pipe(x) with gradients in one process is the other path (runtime/autograd_call.py): its
+backward is the user's, through autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.arguments import check_loss_arguments
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.transports.registry import PipeMedia
+from gpipe_fast.nn.microbatch import BatchShare, Value, gather, loss_weights
+from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.runtime.step import Step
+from gpipe_fast.transport.protocol import Transport
+
+if TYPE_CHECKING:
+    from gpipe_fast.runtime.pipeline import Pipeline
+
+T = TypeVar("T")
+
+# The programs a step may run: every task of a training step; the forwards and losses of an
+# evaluation; the forwards alone (pipe(x) under no_grad across processes).
+PROGRAMS = ("train", "evaluate", "forward")
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step as data: its program (one of PROGRAMS), the micro-batches its batch is
+    split into, its checkpointing (a training step's) and its loss (none for "forward"):
+    `reduction` weighs the micro-batches' losses and `loss_scale` (a GradScaler's) scales
+    their gradients."""
+
+    program: str
+    chunks: int
+    checkpoint: str = "never"
+    loss_fn: LossFn | None = None
+    reduction: str = "mean"
+    loss_scale: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        assert self.program in PROGRAMS, self.program
+
+    @property
+    def has_loss(self) -> bool:
+        return self.program != "forward"
+
+
+class StepSide(Protocol):
+    """What one side of the step path does around a step: one process, or this rank's
+    part across processes."""
+
+    media: PipeMedia
+
+    def report(self, error: BaseException) -> None:
+        """Tells whoever else runs the step of a failure here."""
+
+    def make_transport(self, streams: CellStreams, devices: Sequence[torch.device]) -> Transport:
+        """A step's transport between the cells."""
+
+    def share(
+        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+    ) -> BatchShare:
+        """This process's share of the step's batch."""
+
+    def run(self, run: Callable[[], T], *, backward: bool) -> T:
+        """Runs this process's part of the step (`run`), with what it needs around it."""
+
+    def after_backward(self) -> None:
+        """What a backward leaves to sum once every cell's is done (tied gradients)."""
+
+    def loss(self, local: Tensor | None) -> Tensor:
+        """The whole batch's loss, from this process's losses (None: none here)."""
+
+    def close(self) -> None:
+        """Releases what the side holds (media, helper threads)."""
+
+
+def run_step(pipeline: Pipeline, request: StepRequest, input: Value | None, target: Any) -> Any:
+    """Runs `request` on the pipeline's side: the loss of the whole batch on every rank
+    (train, evaluate), or the output of the whole batch where the last cell runs (forward;
+    None elsewhere). A training step adds the input's gradient into the caller's tensors."""
+    loss_fn = request.loss_fn if request.has_loss else None
+    if request.has_loss:
+        check_loss_arguments(request.loss_fn, request.reduction)
+    side = pipeline.side
+    needs_target = request.has_loss and pipeline.needs_target(target)
+    share = side.share(input, target, request.chunks, needs_target=needs_target)
+    train = request.program == "train"
+    if train:
+        schedule, flags = pipeline.schedules.train_step(share.count, request.checkpoint)
+        needs_grad = [t.requires_grad for t in share.given]
+        step = Step(
+            pipeline, share.microbatches, needs_grad, flags, True,
+            count=share.count, split=pipeline.split_backward,
+        )  # fmt: skip
+    else:  # records no graph: nothing needs a gradient, nothing is checkpointed
+        schedule = pipeline.schedules.forward_only(share.count, loss=request.has_loss)
+        never = [[False] * share.count for _ in pipeline.cells]
+        nothing = [False] * len(share.given)
+        step = Step(pipeline, share.microbatches, nothing, never, False, count=share.count)
+    if loss_fn is not None:
+        weights = loss_weights(share.batch, share.total, request.chunks, request.reduction)
+        step.context.set_loss(loss_fn, share.targets, weights, request.loss_scale)
+    runner = pipeline.runner
+    tied = pipeline.tied
+
+    def this_process() -> Tensor | None:
+        if tied:
+            tied.before_step()
+        local = runner.committed(lambda: runner.train(step, schedule))
+        step.context.transport.finish()
+        if train:
+            side.after_backward()
+        return local  # type: ignore[no-any-return]
+
+    local = side.run(this_process, backward=train)
+    if loss_fn is None:
+        last = step.stages[-1]
+        return None if last is None else gather(last.outputs)  # type: ignore[arg-type]
+    loss = side.loss(local)
+    if train and share.given:
+        accumulate_input_grads(share.given, step.input_needs_grad, step.context.input_grads)
+    return loss
+
+
+def accumulate_input_grads(
+    given: Sequence[Tensor], needs: Sequence[bool], microbatch_grads: Sequence[Any]
+) -> None:
+    """Adds the input's gradient into the caller's tensors, as backward() would."""
+    for position, (tensor, wanted) in enumerate(zip(given, needs, strict=True)):
+        if not wanted:
+            continue
+        pieces = [grads[position] if grads is not None else None for grads in microbatch_grads]
+        present = [p for p in pieces if p is not None]
+        if len(present) < len(pieces):
+            continue  # the input did not reach the loss: no gradient, as backward() leaves it
+        grad = torch.cat([p.to(device=tensor.device, dtype=tensor.dtype) for p in present])
+        torch.autograd.backward(tensor, grad)
