@@ -53,7 +53,8 @@ class StepRequest:
     loss_scale: Tensor | None = None
 
     def __post_init__(self) -> None:
-        assert self.program in PROGRAMS, self.program
+        if self.program not in PROGRAMS:
+            raise ValueError(f"program must be one of {PROGRAMS}, got {self.program!r}")
 
     @property
     def has_loss(self) -> bool:
