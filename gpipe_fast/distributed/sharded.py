@@ -114,7 +114,6 @@ class ShardedCell:
             unit.set_modules_to_backward_prefetch([unit])
         # The root is known before any forward: a split forward calls the layers alone.
         _state(module)._lazy_init()
-        self.split = split
         self.sync = sync
         # FSDP's own hooks reduce-scatter unit by unit only when the backward is whole.
         self.native = sync == "per_microbatch" and not split
