@@ -11,7 +11,7 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 5. transport/ (the Transport protocol, the in-process transport, the wire header)
 6. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
    shared-memory links, the cross-process step driver)
-7. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
+7. runtime/ (cell, pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
 8. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
 9. api/ (GPipe, gf.pipeline and the modules they are split into)
 10. planning/ (plans, predictions and calibration, which build GPipes)

@@ -40,7 +40,6 @@ from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_tie
 from gpipe_fast.distributed.transports.across import skips_between_ranks
 from gpipe_fast.distributed.transports.registry import make_transport, open_media
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
-from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.checkpoint import recomputed_microbatches
 from gpipe_fast.nn.microbatch import (
     Value,
@@ -55,6 +54,7 @@ from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.runtime.bridge import Enter, Exit
+from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import LossFn, StageServices
 from gpipe_fast.runtime.runner import Runner
 from gpipe_fast.runtime.step import Step

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.nn.cell import Boundary, Cell
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
+from gpipe_fast.runtime.cell import Boundary, Cell
 from gpipe_fast.runtime.context import StepContext
 from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
