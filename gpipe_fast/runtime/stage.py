@@ -12,7 +12,8 @@ from torch import Tensor
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.runtime.cell import Boundary, Cell
 from gpipe_fast.runtime.context import StepContext
-from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey
+from gpipe_fast.skip.cell_tracker import CellSkipTracker
+from gpipe_fast.skip.tracker import SkipKey
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
 
 
