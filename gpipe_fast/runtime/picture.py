@@ -4,14 +4,57 @@ Each box's style, label and hover text, the legend's groups and the title."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from gpipe_fast.runtime.timeline import TaskSpan, Timeline
+from typing import Literal, Protocol
 
 Group = Literal["compute", "communication", "idle"]
 GROUPS: tuple[Group, ...] = ("compute", "communication", "idle")
+
+
+class PictureSpan(Protocol):
+    """What a picture reads of a span (a timeline's TaskSpan): the pictures sit above the
+    timeline, which draws itself through them, so they name no class of it."""
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def cell(self) -> int: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def row(self) -> int: ...
+    @property
+    def start_s(self) -> float: ...
+    @property
+    def end_s(self) -> float: ...
+    @property
+    def duration_s(self) -> float: ...
+
+
+class PictureTimeline(Protocol):
+    """What a picture reads of a timeline (a Timeline)."""
+
+    @property
+    def spans(self) -> Sequence[PictureSpan]: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def cells(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def gap_s(self) -> float: ...
+    @property
+    def ideal_bubble(self) -> float: ...
+    def phase_window(self, phase: Literal["forward"]) -> tuple[float, float]: ...
+    def row_name(self, worker: int) -> str: ...
+    def compute_rows(self) -> list[int]: ...
+    def bubble(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -69,12 +112,12 @@ def style(kind: str) -> Style:
     return Style(kind[:1].upper(), kind.replace("_", " "), "compute", "#937860")
 
 
-def label(span: TaskSpan) -> str:
+def label(span: PictureSpan) -> str:
     """Action letter, stage.micro-batch: "F2.5" is the forward of cell 2 on micro-batch 5."""
     return f"{style(span.kind).letter}{span.cell}.{span.microbatch}"
 
 
-def hover(timeline: Timeline, span: TaskSpan) -> str:
+def hover(timeline: PictureTimeline, span: PictureSpan) -> str:
     """The span in words, with its times in ms: a hover title, a trace event's description."""
     kind = style(span.kind)
     what = f"wait for {kind.words}" if kind.hatched else kind.words
@@ -119,7 +162,7 @@ class Entry:
     style: Style | None  # None: the caller's band between pipe(x) and its backward
 
 
-def legend(timeline: Timeline) -> dict[Group, list[Entry]]:
+def legend(timeline: PictureTimeline) -> dict[Group, list[Entry]]:
     """The legend's lines of each group, for the kinds on the timeline (groups without any
     are left out): compute and communication by kind; idle, the waits for data together."""
     order = list(STYLES)  # known kinds in the table's order, others after them
@@ -143,7 +186,7 @@ def legend(timeline: Timeline) -> dict[Group, list[Entry]]:
     return {group: entries for group, entries in groups.items() if entries}
 
 
-def title(timeline: Timeline) -> str:
+def title(timeline: PictureTimeline) -> str:
     """Names the schedule that ran, its cells, workers and micro-batches, and the bubble."""
     if any(s.phase == "step" for s in timeline.spans):
         run = f"step, schedule {timeline.schedule}"
