@@ -42,8 +42,9 @@ from gpipe_fast.planning.balance import (
     balance_by_time,
     partition,
 )
+from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
-from gpipe_fast.planning.plan import CellPlan, Plan, plan
+from gpipe_fast.planning.plan import CellPlan, Plan
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
