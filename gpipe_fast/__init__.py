@@ -12,9 +12,9 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 6. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
    shared-memory links, the cross-process step driver)
 7. runtime/ (cell, pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
-8. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
+8. balancing/ (layers profiled and partitioned: the partitioner behind balance=None)
 9. api/ (GPipe, gf.pipeline and the modules they are split into)
-10. planning/ (plans, predictions and calibration, which build GPipes)
+10. planning/ (plans, predictions, calibration; the cost per task, measured through a GPipe)
 11. this package's own names, gpipe_fast.balance (torchgpipe's import path)
 12. demo/, then __main__
 """
@@ -33,15 +33,15 @@ except ImportError as error:  # no silent fallback: the engine is native
 from gpipe_fast.api.any_model import ModelPipe, pipeline
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.grad_scaler import GradScaler
-from gpipe_fast.distributed.guard import PeerFailure
-from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
-from gpipe_fast.planning.balance import (
+from gpipe_fast.balancing.balance import (
     balance_by_costs,
     balance_by_params,
     balance_by_size,
     balance_by_time,
     partition,
 )
+from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("gpipe_fast.transport",),
     ("gpipe_fast.distributed",),
     ("gpipe_fast.runtime",),
-    ("gpipe_fast.planning.balance", "gpipe_fast.planning.profile"),
+    ("gpipe_fast.balancing",),
     ("gpipe_fast.api",),
     ("gpipe_fast.planning",),
     ("gpipe_fast", "gpipe_fast.balance"),  # the facade: the package's own names
@@ -88,4 +88,4 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     assert imported(source) == {"gpipe_fast.runtime.step", "gpipe_fast.api"}
     assert layer_of("gpipe_fast.runtime.step") > layer_of("gpipe_fast.transport.protocol")
     assert layer_of("gpipe_fast.planning.plan") > layer_of("gpipe_fast.api.gpipe")
-    assert layer_of("gpipe_fast.planning.balance") < layer_of("gpipe_fast.api.gpipe")
+    assert layer_of("gpipe_fast.balancing.balance") < layer_of("gpipe_fast.api.gpipe")

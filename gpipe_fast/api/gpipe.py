@@ -26,6 +26,7 @@ from gpipe_fast.arguments import (
     check_loss_arguments,
     check_timeout,
 )
+from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.device import host
 from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.host_peers import host_peers
@@ -43,7 +44,6 @@ from gpipe_fast.nn.materialize import (
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
-from gpipe_fast.planning.balance import balance_by_params
 from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.runtime.evaluate import eval_step, forward_across_processes
 from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 
 from gpipe_fast.arguments import check_balance, check_choice, check_count, check_module
+from gpipe_fast.balancing.profile import STATISTICS, Device, Sample
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.planning.candidates import Choice
 from gpipe_fast.planning.memory import check_optimizer
 from gpipe_fast.planning.plan import PLAN_COSTS, Plan, calibrated_plan, evaluate
 from gpipe_fast.planning.planner import Planner
-from gpipe_fast.planning.profile import STATISTICS, Device, Sample
 from gpipe_fast.planning.search import choose
 from gpipe_fast.runtime.timeline import Timeline
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gpipe_fast import _C
-from gpipe_fast.planning.balance import partition
+from gpipe_fast.balancing.balance import partition
+from gpipe_fast.balancing.profile import layer_param_bytes
 from gpipe_fast.planning.calibrate import calibrated
 from gpipe_fast.planning.candidates import Candidate, Choice
 from gpipe_fast.planning.memory import CellMemory, predict_memory
 from gpipe_fast.planning.planner import Planner, micro_rows
 from gpipe_fast.planning.predict import StageCosts, predict
-from gpipe_fast.planning.profile import layer_param_bytes
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import schedule_kind
 
