@@ -361,7 +361,7 @@ class GPipe(nn.Module):
         "nccl"; "shared memory and gloo" when some ranks share a host and others do not),
         or "in process" for a pipe of one process. GPIPE_FAST_TRANSPORT=gloo (on any rank)
         keeps CPU tensors on gloo. :attr:`transport_reason` says why."""
-        return self._transport().kind
+        return self._transport().media
 
     @property
     def transport_reason(self) -> str:
