@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpipe_fast.planning.balance import partition
+from gpipe_fast.balancing.balance import partition
 
 SHAPES = [(1000, 8), (5000, 100), (5000, 500)]
 

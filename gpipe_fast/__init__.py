@@ -1,22 +1,7 @@
 """gpipe_fast: GPipe pipeline parallelism for PyTorch with a native C++/CUDA runtime.
 
-Layers, lowest first; a module imports only from its own layer or lower ones
-(tests/test_layers.py checks it):
-
-1. _C (the native core), arguments (argument checks shared by every layer)
-2. nn/ (what a pipe does to layers), device/ (streams, copies, pools, host cores), skip/
-   (skippable layers, their trackers and layout)
-3. capture/ (any model's forward cut into stages, untraced: the plan and the stage cells)
-4. schedule/ (the registry of kinds and actions, the per-pipe schedule cache)
-5. transport/ (the Transport protocol, the in-process transport, the wire header)
-6. distributed/ (layouts, guard, process groups, reductions, dist transport, same-host
-   shared-memory links, the cross-process step driver)
-7. runtime/ (pipeline, runner, step, stage, bridge, timeline, memory, evaluation)
-8. planning/balance.py, planning/profile.py (the partitioner behind balance=None)
-9. api/ (GPipe, gf.pipeline and the modules they are split into)
-10. planning/ (plans, predictions and calibration, which build GPipes)
-11. this package's own names, gpipe_fast.balance (torchgpipe's import path)
-12. demo/, then __main__
+Its layers, lowest first, are listed in gpipe_fast/layers.py: a module imports only from its
+own layer or lower ones, and no modules import each other in a cycle (tests/test_layers.py).
 """
 
 # Loaded first, so that a missing build fails here with advice. Private: reach it as
@@ -33,17 +18,18 @@ except ImportError as error:  # no silent fallback: the engine is native
 from gpipe_fast.api.any_model import ModelPipe, pipeline
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.grad_scaler import GradScaler
-from gpipe_fast.distributed.guard import PeerFailure
-from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
-from gpipe_fast.planning.balance import (
+from gpipe_fast.balancing.balance import (
     balance_by_costs,
     balance_by_params,
     balance_by_size,
     balance_by_time,
     partition,
 )
+from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
+from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
-from gpipe_fast.planning.plan import CellPlan, Plan, plan
+from gpipe_fast.planning.plan import CellPlan, Plan
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 

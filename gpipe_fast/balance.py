@@ -1,6 +1,6 @@
 """torchgpipe's import path for the balancing helpers: `from gpipe_fast.balance import ...`."""
 
-from gpipe_fast.planning.balance import (
+from gpipe_fast.balancing.balance import (
     balance_by_costs,
     balance_by_params,
     balance_by_size,

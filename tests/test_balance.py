@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.planning import balance as gb
-from gpipe_fast.planning import profile as gp
+from gpipe_fast.balancing import balance as gb
+from gpipe_fast.balancing import profile as gp
 
 from helpers import Sleepy, funnel
 

@@ -13,9 +13,10 @@ import torch
 from cluster import Cluster, values
 from torch import nn
 
-from gpipe_fast.demo import processes, report
+from gpipe_fast.demo import report
 from gpipe_fast.demo.job import arguments, cells_per_worker
 from gpipe_fast.demo.processes import bubble_of_own_tasks, communication_ms, merged_timeline
+from gpipe_fast.demo.workload import workload
 from gpipe_fast.runtime.timeline import TaskSpan
 from gpipe_fast.schedule.registry import SCHEDULES, placement
 
@@ -135,7 +136,7 @@ def _plain_losses() -> list[float]:
     """The demo's model trained as a plain model on the same batches, with the same Adam."""
     args = arguments(["--processes", "2", *_ARGV])
     torch.manual_seed(args.seed)
-    model, data = processes._workload(args)
+    model, data = workload(args, torch.device("cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     losses = []
     for x, y in data:

@@ -1,4 +1,4 @@
-"""No module imports from a layer above its own (the order is in gpipe_fast/__init__.py)."""
+"""No module imports from a higher layer or in a cycle (the layers: gpipe_fast/layers.py)."""
 
 from __future__ import annotations
 
@@ -6,32 +6,21 @@ import ast
 from pathlib import Path
 
 import gpipe_fast
+from gpipe_fast.layers import LAYERS
 
 PACKAGE = Path(gpipe_fast.__file__).parent
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
-# Lowest first, as gpipe_fast/__init__.py lists them; a module belongs to the layer of
-# its longest matching prefix.
-LAYERS: list[tuple[str, ...]] = [
-    ("gpipe_fast._C", "gpipe_fast.arguments"),
-    ("gpipe_fast.nn", "gpipe_fast.device", "gpipe_fast.skip"),
-    ("gpipe_fast.capture",),
-    ("gpipe_fast.schedule",),
-    ("gpipe_fast.transport",),
-    ("gpipe_fast.distributed",),
-    ("gpipe_fast.runtime",),
-    ("gpipe_fast.planning.balance", "gpipe_fast.planning.profile"),
-    ("gpipe_fast.api",),
-    ("gpipe_fast.planning",),
-    ("gpipe_fast", "gpipe_fast.balance"),  # the facade: the package's own names
-    ("gpipe_fast.demo",),
-    ("gpipe_fast.__main__",),
-]
+
+def full_name(name: str) -> str:
+    """A layer's module name (under gpipe_fast; "__init__" is the package) in full."""
+    return "gpipe_fast" if name == "__init__" else f"gpipe_fast.{name}"
 
 
 def layer_of(module: str) -> int:
     best, rank = -1, -1
-    for index, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
+    for index, layer in enumerate(LAYERS):
+        for prefix in map(full_name, layer.modules):
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
                 best, rank = len(prefix), index
     assert rank >= 0, f"{module} is in no layer"
@@ -61,6 +50,56 @@ def imported(path: Path) -> set[str]:
     return {name for name in found if name == "gpipe_fast" or name.startswith("gpipe_fast.")}
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the package's modules it imports."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        graph[module] = imported(path) - {module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import each other, directly or through others (the strongly
+    connected components of more than one module), each sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
+def table_rows() -> list[str]:
+    """The rows of the layers' table as docs/architecture.md should write them."""
+
+    def shown(name: str) -> str:
+        if name == "_C":  # the native module: a built library, named as Python imports it
+            return "`_C`"
+        return f"`{name}/`" if (PACKAGE / name).is_dir() else f"`{name}.py`"
+
+    return [f"| {', '.join(map(shown, layer.modules))} | {layer.holds} |" for layer in LAYERS]
+
+
 def test_no_module_imports_from_a_higher_layer() -> None:
     upward = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -70,6 +109,29 @@ def test_no_module_imports_from_a_higher_layer() -> None:
                 upward.append(f"{module} (layer {layer_of(module)}) imports {target} "
                               f"(layer {layer_of(target)})")  # fmt: skip
     assert not upward, "\n".join(upward)
+
+
+def test_no_modules_import_each_other_in_a_cycle() -> None:
+    # A cycle within a layer passes the layer check, yet its modules cannot be read, tested or
+    # moved one without the other (imports inside functions and for type checking count too).
+    graph = import_graph()
+    found = [
+        f"{', '.join(group)} import each other: "
+        + "; ".join(f"{a} imports {b}" for a in group for b in sorted(graph[a]) if b in group)
+        for group in cycles(graph)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_architecture_page_lists_the_layers() -> None:
+    text = ARCHITECTURE.read_text()
+    section = text.split("## The Python package, by layer", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # no header
+    expected = table_rows()
+    assert rows == expected, (
+        "docs/architecture.md's table of layers is not gpipe_fast/layers.py's list; its rows "
+        "should read:\n" + "\n".join(expected)
+    )
 
 
 def test_every_module_opens_with_a_one_line_docstring() -> None:
@@ -88,4 +150,11 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     assert imported(source) == {"gpipe_fast.runtime.step", "gpipe_fast.api"}
     assert layer_of("gpipe_fast.runtime.step") > layer_of("gpipe_fast.transport.protocol")
     assert layer_of("gpipe_fast.planning.plan") > layer_of("gpipe_fast.api.gpipe")
-    assert layer_of("gpipe_fast.planning.balance") < layer_of("gpipe_fast.api.gpipe")
+    assert layer_of("gpipe_fast.balancing.balance") < layer_of("gpipe_fast.api.gpipe")
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e", "a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"x": {"y"}, "y": {"x"}, "z": {"x"}}) == [["x", "y"]]
+    assert cycles({"x": {"y"}, "y": set()}) == []

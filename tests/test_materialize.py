@@ -170,7 +170,7 @@ def test_a_partial_initialisation_is_caught() -> None:
     with torch.device("meta"):
         cell = nn.Sequential(Half())
     _, left = materialize(cell, torch.device("cpu"), None)
-    assert [(u.name, u.kind) for u in left] == [("0.w", "Half")]
+    assert [(u.name, u.module_type) for u in left] == [("0.w", "Half")]
 
 
 def test_integer_buffers_count_as_initialised_only_with_an_initialisation() -> None:

@@ -135,7 +135,7 @@ def test_plan_counts_recomputation(checkpoint: str) -> None:
 def test_profile_statistic_sums_up_the_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three runs of one Linear, by a scripted clock: forwards of 1 s, 1 s and 10 s (a stall),
     # backwards of 1 s each. The median leaves the stall out, the mean counts it.
-    import gpipe_fast.planning.profile as gp
+    import gpipe_fast.balancing.profile as gp
 
     def profile(statistic: str) -> gp.LayerProfile:
         reads = iter([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 14, 14, 15])

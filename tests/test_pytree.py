@@ -187,7 +187,7 @@ def test_the_balancing_helpers_profile_layers_that_pass_pytrees() -> None:
     # its structure, is the next one's input; its bytes are those of its tensors.
     net = cases.model(SEED)
     x, _ = cases.batch(8, 0)
-    sizes = gf.planning.profile.layer_output_bytes(net, x)
+    sizes = gf.balancing.profile.layer_output_bytes(net, x)
     assert sizes[0] == x.numel() * 8 + x.numel()  # "h" (float64) and "mask" (bool)
     assert len(gf.balance_by_time(2, net, x, repeats=1, warmup=0)) == 2
     assert len(gf.balance_by_size(2, net, x)) == 2

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.nn.cell import Cell
+from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import StageServices
 from gpipe_fast.runtime.step import Step, annotate
 from gpipe_fast.schedule.registry import actions

@@ -19,7 +19,7 @@ def _round_trip(payload: wire.Payload) -> wire.Payload:
     """`payload` as gloo carries a message too large to inline: its header, then its
     tensors (a pytree's pickled rest among them)."""
     payload = wire.packed(payload)
-    kind, entries = wire.layout(wire.encode(payload, CPU))
+    form, entries = wire.read_header(wire.encode(payload, CPU))
     sent = iter(wire.tensors(payload))
     received = []
     for entry in entries:
@@ -30,7 +30,7 @@ def _round_trip(payload: wire.Payload) -> wire.Payload:
         tensor = next(sent)
         assert (tensor.dtype, tuple(tensor.shape)) == (dtype, shape)
         received.append(tensor.clone())
-    return wire.assemble(kind, received)
+    return wire.assemble(form, received)
 
 
 def test_a_lone_tensor_stays_a_tensor() -> None:
@@ -65,7 +65,7 @@ def test_an_unknown_dtype_is_refused() -> None:
 
 def test_a_message_that_is_no_header_is_named() -> None:
     with pytest.raises(RuntimeError, match="did not start with a gpipe_fast header"):
-        wire.layout(torch.zeros(wire.HEADER_LENGTH, dtype=torch.int64))
+        wire.read_header(torch.zeros(wire.HEADER_LENGTH, dtype=torch.int64))
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,11 @@ from torch import Tensor, nn
 
 from gpipe_fast.api import optim_state
 from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plan import Plan
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
 from gpipe_fast.capture.stage import stage_cells
-from gpipe_fast.planning.balance import partition
 from gpipe_fast.schedule.registry import schedule_kind
 
 LossFn = Callable[[Any, Any], Tensor]

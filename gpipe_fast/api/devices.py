@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.device import host
-from gpipe_fast.planning.balance import balance_by_params
 from gpipe_fast.schedule.registry import placement, schedule_kind
 
 

@@ -26,6 +26,7 @@ from gpipe_fast.arguments import (
     check_loss_arguments,
     check_timeout,
 )
+from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.device import host
 from gpipe_fast.distributed import beside
 from gpipe_fast.distributed.host_peers import host_peers
@@ -43,12 +44,12 @@ from gpipe_fast.nn.materialize import (
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
-from gpipe_fast.planning.balance import balance_by_params
 from gpipe_fast.runtime.autograd_call import autograd_call
 from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
-from gpipe_fast.runtime.step_path import StepRequest, run_step
+from gpipe_fast.runtime.step_path import run_step
+from gpipe_fast.runtime.step_request import StepRequest
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import check_schedule, schedule_kind
 from gpipe_fast.skip.layout import SkipLayout, inspect_skip_layout
@@ -362,7 +363,7 @@ class GPipe(nn.Module):
         "nccl"; "shared memory and gloo" when some ranks share a host and others do not),
         or "in process" for a pipe of one process. GPIPE_FAST_TRANSPORT=gloo (on any rank)
         keeps CPU tensors on gloo. :attr:`transport_reason` says why."""
-        return self._transport().kind
+        return self._transport().media
 
     @property
     def transport_reason(self) -> str:

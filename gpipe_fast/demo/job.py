@@ -20,16 +20,13 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 import gpipe_fast as gf
 from gpipe_fast.demo import alone as alone
+from gpipe_fast.demo import processes
 from gpipe_fast.demo import report as report
-from gpipe_fast.demo.unet import batch as unet_batch
-from gpipe_fast.demo.unet import unet
+from gpipe_fast.demo.workload import Batch, cells_per_worker, workload
 from gpipe_fast.device.host import cpu_cores
 from gpipe_fast.schedule.registry import SCHEDULES, schedule_kind
 
-_INPUTS = 32  # features of the synthetic data
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
-
-Batch = tuple[Tensor, Tensor]
 
 
 def _positive(text: str) -> int:
@@ -43,12 +40,6 @@ def _positive(text: str) -> int:
 # micro-batches of 1024 / 8 = 128 rows through Linear(512) layers are a few ms per task
 # (rows of 16 through Linear(256) were mostly overhead). 9 hidden layers give each of 2
 # cells 4 of the 512 x 512 layers, so the cells balance; a default run takes seconds.
-
-
-def cells_per_worker(schedule: str) -> int:
-    """The cells the demo gives each worker (or process) under `schedule`: the kind's fixed
-    number, and 2 where it takes any number (interleaved)."""
-    return int(schedule_kind(schedule).stages_per_worker) or 2
 
 
 def _schedule_help() -> str:
@@ -125,41 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- the workload -----------------------------------------------------------------------------
-
-
-def _model(width: int, depth: int, inputs: int) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(inputs, width), nn.Tanh()]
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-    layers.append(nn.Linear(width, 1))
-    return nn.Sequential(*layers)
-
-
 def _devices(cells: int | None) -> list[torch.device]:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         cells = cells or count
         return [torch.device("cuda", k % count) for k in range(cells)]
     return [torch.device("cpu")] * (cells or 2)
-
-
-def _data(steps: int, batch: int, device: torch.device) -> list[Batch]:
-    """One mini-batch per step: random inputs and a fixed random teacher's outputs."""
-    teacher = _model(64, 3, _INPUTS).requires_grad_(False)
-    # Targets of zero mean and unit variance (constants fixed from a probe), so that the loss
-    # falls by learning the teacher's function, not only its small offset.
-    probe = teacher(torch.randn(4096, _INPUTS))
-    mean, std = probe.mean(), probe.std()
-    data = []
-    for _ in range(steps):
-        x = torch.randn(batch, _INPUTS)
-        data.append((x.to(device), (teacher(x) - mean) / std))
-    return data
-
-
-def _on(pair: Batch, device: torch.device) -> Batch:
-    return pair[0].to(device), pair[1].to(device)
 
 
 def _plural(count: int, noun: str) -> str:
@@ -428,17 +390,10 @@ def run_demo(argv: list[str]) -> int:
     """Runs the demo; 0 when gpipe_fast's loss went down."""
     args = arguments(argv)
     if args.processes > 1:
-        from gpipe_fast.demo import processes  # it imports this module: not at the top
-
         return processes.run(args)
     torch.manual_seed(args.seed)
     devices = _devices(args.cells)
-    if args.model == "unet":
-        model = unet()  # first: its weights do not depend on --steps
-        data = [_on(unet_batch(step, args.batch), devices[0]) for step in range(args.steps)]
-    else:
-        model = _model(args.width, args.depth, _INPUTS)  # first: as above
-        data = _data(args.steps, args.batch, devices[0])
+    model, data = workload(args, devices[0])
     plain = copy.deepcopy(model).to(devices[0])  # the same initial weights
     pipe, workers = _pipe(model, devices, args)
     try:

@@ -23,7 +23,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.demo import report
-from gpipe_fast.demo.job import cells_per_worker
+from gpipe_fast.demo.workload import cells_per_worker, workload
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import actions, communication_actions
 
@@ -53,7 +53,7 @@ def train_rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     (the schedule's number per process) and records one more step. Returns what the parent
     reports: its losses, step times, the recorded step's spans and the pipe's facts."""
     torch.manual_seed(args.seed)
-    model, data = _workload(args)  # the same weights and batches on every rank
+    model, data = workload(args, torch.device("cpu"))  # the same weights and batches on every rank
     cells = dist.get_world_size() * cells_per_worker(args.schedule)
     pipe = gf.GPipe(model, gf.balance_by_params(cells, model), chunks=args.chunks,
                     checkpoint=args.checkpoint, schedule=args.schedule,
@@ -90,19 +90,6 @@ def train_rank(rank: int, args: argparse.Namespace) -> dict[str, Any]:
         "transport_reason": pipe.transport_reason,
         "balance": pipe.balance,
     }
-
-
-def _workload(args: argparse.Namespace) -> tuple[nn.Sequential, list[Any]]:
-    """The single-process demo's model and batches: the MLP, or the U-Net (--model unet)."""
-    from gpipe_fast.demo.job import _INPUTS, _data, _model
-    from gpipe_fast.demo.unet import batch as unet_batch
-    from gpipe_fast.demo.unet import unet
-
-    if args.model == "unet":
-        model = unet()  # first: its weights do not depend on --steps
-        return model, [unet_batch(step, args.batch) for step in range(args.steps)]
-    model = _model(args.width, args.depth, _INPUTS)
-    return model, _data(args.steps, args.batch, torch.device("cpu"))
 
 
 def _collect(results: Any, processes: list[Any]) -> list[dict[str, Any]] | None:

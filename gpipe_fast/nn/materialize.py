@@ -17,7 +17,7 @@ class Uninitialised:
     """A tensor of a cell that came from the meta device and that no initialisation reached."""
 
     name: str  # the model's own key (cells keep the layers' names)
-    kind: str  # the class of the module holding it
+    module_type: str  # the class of the module holding it
     owner: nn.Module = field(repr=False, compare=False)
     attribute: str = field(repr=False, compare=False)
 
@@ -129,7 +129,7 @@ def _initialised(tensor: Tensor, has_reset: bool, init_fn: InitFn | None) -> boo
 
 def describe(left: list[Uninitialised], limit: int = 8) -> str:
     """ "2.w (Scale), 5.mlp.c_fc.weight (Conv1D), ..." for messages."""
-    names = [f"{u.name} ({u.kind})" for u in left[:limit]]
+    names = [f"{u.name} ({u.module_type})" for u in left[:limit]]
     more = f" and {len(left) - limit} more" if len(left) > limit else ""
     return ", ".join(names) + more
 

@@ -1,1 +1,1 @@
-"""Choosing and predicting: balances from layer costs, plans, simulated steps, calibration."""
+"""Planning: plans, their predicted steps and memory, calibration, the cost of a task measured."""

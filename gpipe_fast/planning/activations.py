@@ -11,9 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast.arguments import check_module
+from gpipe_fast.balancing.profile import Sample, resolve_device
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree, tensors_of
-from gpipe_fast.planning.profile import Sample, resolve_device
 
 
 @dataclass(frozen=True)

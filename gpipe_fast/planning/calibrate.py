@@ -48,9 +48,9 @@ def measured_stage_costs(timelines: Sequence[Timeline], cells: int) -> list[Stag
     split in halves stands for both (each half taken as half of it) and the other way round;
     a loss never recorded (pipe(x): the loss is the caller's) costs nothing."""
 
-    def median(cell: int, kind: str) -> float | None:
+    def median(cell: int, action: str) -> float | None:
         durations = [
-            s.duration_s for t in timelines for s in t.spans if s.cell == cell and s.kind == kind
+            s.duration_s for t in timelines for s in t.spans if s.cell == cell and s.kind == action
         ]
         return statistics.median(durations) if durations else None
 

@@ -263,14 +263,14 @@ class _Walk:
                 member[k].append(walk)
         holds: dict[tuple[int, int], frozenset[int]] = {}
         graded: set[int] = set()
-        for _, kind, i in self.events:
+        for _, edge, i in self.events:
             task, action = self.tasks[i], self.actions[i]
             if action not in _COMPUTE:
                 continue
             k, m = task.stage, task.microbatch
             stage = self.stages[k]
             work = stage.working + (stage.weight_work if action in _WEIGHTS else 0)
-            if kind == 1:
+            if edge == 1:  # the task starts
                 new: frozenset[int] = frozenset()
                 if action in ("forward", "recompute"):
                     checkpointed = self.flags[k][m] and action == "forward"

@@ -11,12 +11,7 @@ import torch
 from torch import nn
 
 from gpipe_fast.arguments import check_int
-from gpipe_fast.device.host import threads_per_cell
-from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.planning.activations import ActivationProfile, profile_activations
-from gpipe_fast.planning.memory import ParamFacts, param_facts
-from gpipe_fast.planning.predict import StageCosts, task_overhead
-from gpipe_fast.planning.profile import (
+from gpipe_fast.balancing.profile import (
     BACKWARD_PER_FORWARD,
     Device,
     Sample,
@@ -27,6 +22,12 @@ from gpipe_fast.planning.profile import (
     profile_layers,
     resolve_device,
 )
+from gpipe_fast.device.host import threads_per_cell
+from gpipe_fast.nn.microbatch import scatter
+from gpipe_fast.planning.activations import ActivationProfile, profile_activations
+from gpipe_fast.planning.memory import ParamFacts, param_facts
+from gpipe_fast.planning.overhead import task_overhead
+from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.schedule.registry import placement, schedule_kind
 
 

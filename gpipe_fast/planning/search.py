@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-from gpipe_fast.planning.balance import partition
+from gpipe_fast.balancing.balance import partition
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate, Choice
 from gpipe_fast.planning.plan import Plan, evaluate
 from gpipe_fast.planning.planner import Planner, micro_rows

@@ -1,1 +1,1 @@
-"""Running steps: the pipeline, its steps and stages, the runner, bridge, timeline, memory."""
+"""Running steps: the pipeline, its cells, steps and stages, runner, bridge, timeline, memory."""

@@ -12,8 +12,8 @@ from torch import Tensor
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.sharded import Sharding
-from gpipe_fast.nn.cell import AutocastState
 from gpipe_fast.nn.randomness import draw_step_seed
+from gpipe_fast.runtime.cell import AutocastState
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Transport
 

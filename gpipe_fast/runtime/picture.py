@@ -4,19 +4,62 @@ Each box's style, label and hover text, the legend's groups and the title."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from gpipe_fast.runtime.timeline import TaskSpan, Timeline
+from typing import Literal, Protocol
 
 Group = Literal["compute", "communication", "idle"]
 GROUPS: tuple[Group, ...] = ("compute", "communication", "idle")
 
 
+class PictureSpan(Protocol):
+    """What a picture reads of a span (a timeline's TaskSpan): the pictures sit above the
+    timeline, which draws itself through them, so they name no class of it."""
+
+    @property
+    def phase(self) -> str: ...
+    @property
+    def kind(self) -> str: ...  # the span's action (TaskSpan's public name for it)
+    @property
+    def cell(self) -> int: ...
+    @property
+    def microbatch(self) -> int: ...
+    @property
+    def row(self) -> int: ...
+    @property
+    def start_s(self) -> float: ...
+    @property
+    def end_s(self) -> float: ...
+    @property
+    def duration_s(self) -> float: ...
+
+
+class PictureTimeline(Protocol):
+    """What a picture reads of a timeline (a Timeline)."""
+
+    @property
+    def spans(self) -> Sequence[PictureSpan]: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def cells(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def gap_s(self) -> float: ...
+    @property
+    def ideal_bubble(self) -> float: ...
+    def phase_window(self, phase: Literal["forward"]) -> tuple[float, float]: ...
+    def row_name(self, worker: int) -> str: ...
+    def compute_rows(self) -> list[int]: ...
+    def bubble(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Style:
-    """How one kind of span is drawn: a filled box, or (a wait) a hatched empty one."""
+    """How the spans of one action are drawn: a filled box, or (a wait) a hatched empty one."""
 
     letter: str  # the label's prefix: "F" in "F2.5"
     words: str  # the legend's name for it
@@ -59,25 +102,25 @@ CALLER_HATCH = "#c0c0c0"  # between pipe(x) and its backward: the caller's loss
 MONOSPACE_EM = 0.6  # a monospace character's width, in ems (the labels' font)
 
 
-def style(kind: str) -> Style:
-    """The kind's style; an action registered later is drawn as compute in grey."""
-    found = STYLES.get(kind)
+def style(action: str) -> Style:
+    """The action's style; an action registered later is drawn as compute in grey."""
+    found = STYLES.get(action)
     if found is not None:
         return found
-    if kind.startswith("recv"):
-        return Style(kind[:2], kind.replace("_", " "), "idle", _WAIT, hatched=True)
-    return Style(kind[:1].upper(), kind.replace("_", " "), "compute", "#937860")
+    if action.startswith("recv"):
+        return Style(action[:2], action.replace("_", " "), "idle", _WAIT, hatched=True)
+    return Style(action[:1].upper(), action.replace("_", " "), "compute", "#937860")
 
 
-def label(span: TaskSpan) -> str:
+def label(span: PictureSpan) -> str:
     """Action letter, stage.micro-batch: "F2.5" is the forward of cell 2 on micro-batch 5."""
     return f"{style(span.kind).letter}{span.cell}.{span.microbatch}"
 
 
-def hover(timeline: Timeline, span: TaskSpan) -> str:
+def hover(timeline: PictureTimeline, span: PictureSpan) -> str:
     """The span in words, with its times in ms: a hover title, a trace event's description."""
-    kind = style(span.kind)
-    what = f"wait for {kind.words}" if kind.hatched else kind.words
+    drawn = style(span.kind)
+    what = f"wait for {drawn.words}" if drawn.hatched else drawn.words
     return (
         f"{label(span)}: {what} of cell {span.cell}, micro-batch {span.microbatch}; "
         f"{span.duration_s * 1e3:.3f} ms ({span.start_s * 1e3:.3f} to {span.end_s * 1e3:.3f} ms) "
@@ -119,19 +162,19 @@ class Entry:
     style: Style | None  # None: the caller's band between pipe(x) and its backward
 
 
-def legend(timeline: Timeline) -> dict[Group, list[Entry]]:
-    """The legend's lines of each group, for the kinds on the timeline (groups without any
-    are left out): compute and communication by kind; idle, the waits for data together."""
-    order = list(STYLES)  # known kinds in the table's order, others after them
+def legend(timeline: PictureTimeline) -> dict[Group, list[Entry]]:
+    """The legend's lines of each group, for the actions on the timeline (groups without any
+    are left out): compute and communication by action; idle, the waits for data together."""
+    order = list(STYLES)  # known actions in the table's order, others after them
 
-    def place(kind: str) -> tuple[int, str]:
-        return (order.index(kind) if kind in order else len(order), kind)
+    def place(action: str) -> tuple[int, str]:
+        return (order.index(action) if action in order else len(order), action)
 
-    kinds = sorted({s.kind for s in timeline.spans}, key=place)
+    actions = sorted({s.kind for s in timeline.spans}, key=place)
     groups: dict[Group, list[Entry]] = {group: [] for group in GROUPS}
-    waits = [style(kind) for kind in kinds if style(kind).hatched]
-    for kind in kinds:
-        found = style(kind)
+    waits = [style(action) for action in actions if style(action).hatched]
+    for action in actions:
+        found = style(action)
         if not found.hatched:
             groups[found.group].append(Entry(f"{found.letter}  {found.words}", found))
     groups["idle"].append(Entry("idle (no task)", Style("", "idle", "idle", IDLE_FILL)))
@@ -143,7 +186,7 @@ def legend(timeline: Timeline) -> dict[Group, list[Entry]]:
     return {group: entries for group, entries in groups.items() if entries}
 
 
-def title(timeline: Timeline) -> str:
+def title(timeline: PictureTimeline) -> str:
     """Names the schedule that ran, its cells, workers and micro-batches, and the bubble."""
     if any(s.phase == "step" for s in timeline.spans):
         run = f"step, schedule {timeline.schedule}"

@@ -27,14 +27,14 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
-from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.randomness import TaskRandomness
 from gpipe_fast.nn.tied import TiedGradients
+from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import StageServices
 from gpipe_fast.runtime.one_process import OneProcess
 from gpipe_fast.runtime.runner import Runner
 from gpipe_fast.runtime.step import Step
-from gpipe_fast.runtime.step_path import StepSide
+from gpipe_fast.runtime.step_request import StepSide
 from gpipe_fast.schedule.cache import ScheduleCache
 from gpipe_fast.schedule.registry import schedule_kind
 from gpipe_fast.skip.layout import SkipLayout

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpipe_fast.runtime import picture
-
-if TYPE_CHECKING:
-    from gpipe_fast.runtime.timeline import Timeline
 
 _HEIGHT = 0.8  # of a row
 _HATCH = "////"
@@ -35,7 +32,9 @@ def _patch_style(style: picture.Style | None) -> dict[str, Any]:
     return {"facecolor": style.colour, "edgecolor": "white"}
 
 
-def _legend_handles(timeline: Timeline, patch: Any) -> tuple[list[Any], list[str], int]:
+def _legend_handles(
+    timeline: picture.PictureTimeline, patch: Any
+) -> tuple[list[Any], list[str], int]:
     """A column per group, headed by its name: (handles, labels, columns). The columns are
     padded to one length, as the legend fills each column before the next."""
     groups = picture.legend(timeline)
@@ -51,12 +50,12 @@ def _legend_handles(timeline: Timeline, patch: Any) -> tuple[list[Any], list[str
     return handles, labels, len(groups)
 
 
-def plot(timeline: Timeline, path: str | Path) -> None:
+def plot(timeline: picture.PictureTimeline, path: str | Path) -> None:
     """Draws `timeline` as a PNG at `path` (see Timeline.plot)."""
     draw(timeline).savefig(path)
 
 
-def draw(timeline: Timeline) -> Any:
+def draw(timeline: picture.PictureTimeline) -> Any:
     """The matplotlib Figure of `timeline`'s picture."""
     figure_class, patch = _import_matplotlib()
     end = max((s.end_s for s in timeline.spans), default=0.0)
@@ -97,7 +96,9 @@ def draw(timeline: Timeline) -> Any:
     return figure
 
 
-def _label_boxes(timeline: Timeline, figure: Any, axes: Any, end: float, scale: float) -> None:
+def _label_boxes(
+    timeline: picture.PictureTimeline, figure: Any, axes: Any, end: float, scale: float
+) -> None:
     """Writes each box's label where it fits (see picture.fit_label), once the layout has
     fixed the axes' size in points."""
     figure.draw_without_rendering()

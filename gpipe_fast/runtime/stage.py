@@ -9,10 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gpipe_fast.nn.cell import Boundary, Cell
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
+from gpipe_fast.runtime.cell import Boundary, Cell
 from gpipe_fast.runtime.context import StepContext
-from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey
+from gpipe_fast.skip.cell_tracker import CellSkipTracker
+from gpipe_fast.skip.tracker import SkipKey
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
 
 
@@ -86,16 +87,16 @@ def _weighted(loss: Tensor, weight: float) -> Tensor:
 
 class Stage:
     """Stage `cell.index` of one step (whose shared state, and the pipe's services, come in
-    `step`). The executor calls one
+    `context`). The executor calls one
     method per task, named as the task's action; each reads what it needs from the step's
     transport or its own buffers and leaves what the next action needs there."""
 
-    def __init__(self, cell: Cell, step: StepContext, last: bool) -> None:
+    def __init__(self, cell: Cell, context: StepContext, last: bool) -> None:
         self.cell = cell
-        self.step = step
+        self.context = context
         self.index = cell.index
         self.last = last
-        count = step.count
+        count = context.count
         self.inputs: list[Tree] = [None] * count  # stashed for recompute and backward
         self.outputs: list[Tree] = [None] * count  # with their graphs, until backward
         self.boundaries: list[list[Boundary] | None] = [None] * count  # split backward only
@@ -108,22 +109,22 @@ class Stage:
         # stage); per micro-batch the leaves received (skips_in, until backward) and the
         # stashed tensors with their graph (skips_out, until backward; whole-stage backward
         # only, the split one keeps them in its boundaries).
-        layout = step.services.skips
-        self.skips = layout
-        self.has_skips = layout is not None and any(
-            self.index in (route.stash_cell, route.pop_cell) for route in layout.routes
+        skips = context.services.skips
+        self.skips = skips
+        self.has_skips = skips is not None and any(
+            self.index in (route.stash_cell, route.pop_cell) for route in skips.routes
         )
         self.sends: list[tuple[SkipKey, int]] = []
         self.receives: list[tuple[SkipKey, int]] = []
-        if layout is not None:
-            for route in layout.crossing():
+        if skips is not None:
+            for route in skips.crossing():
                 if route.stash_cell == self.index:
                     self.sends.append((route.key, route.pop_cell))
                 elif route.pop_cell == self.index:
                     self.receives.append((route.key, route.stash_cell))
         self.skips_in: list[dict[SkipKey, Tensor | None] | None] = [None] * count
         self.skips_out: list[dict[SkipKey, Tensor | None] | None] = [None] * count
-        sharding = step.services.sharding
+        sharding = context.services.sharding
         self.sharded = sharding.cells.get(self.index) if sharding is not None else None
 
     def release(self) -> None:
@@ -131,7 +132,7 @@ class Stage:
         graphs, whose nodes hold the step: a cycle through autograd's C++ nodes that Python's
         collector cannot see, so a failed step's activations would otherwise stay allocated
         for good (an out-of-memory error in recompute kept the whole batch's)."""
-        count = self.step.count
+        count = self.context.count
         self.inputs = [None] * count
         self.outputs = [None] * count
         self.boundaries = [None] * count
@@ -147,8 +148,8 @@ class Stage:
         last backward task followed by what the sharding policy reduces then."""
         sharded = self.sharded
         assert sharded is not None
-        last_backward = "backward_weight" if self.step.split else "backward"
-        count = self.step.count
+        last_backward = "backward_weight" if self.context.split else "backward"
+        count = self.context.count
 
         def run(m: int) -> None:
             with sharded.task(name, m):
@@ -163,19 +164,19 @@ class Stage:
     # -- actions ---------------------------------------------------------------------------
 
     def forward(self, m: int) -> None:
-        step, k = self.step, self.index
+        context, k = self.context, self.index
         self.copying = True
-        received = step.transport.recv(ACTIVATION, k, m)
+        received = context.transport.recv(ACTIVATION, k, m)
         self.copying = False
         # Any pytree: its tensors (fresh leaves, detached by the transport) are what may need
         # a gradient; its other leaves are values, passed on as they are.
         value = received
         tensors = tensors_of(received)
-        for tensor, needs in zip(tensors, step.input_grad_flags(k, tensors), strict=True):
+        for tensor, needs in zip(tensors, context.input_grad_flags(k, tensors), strict=True):
             tensor.requires_grad_(needs)
-        checkpointing = step.track and step.checkpointed[k][m]
-        keep_graph = step.track and not checkpointing
-        boundaries: list[Boundary] | None = [] if step.split and keep_graph else None
+        checkpointing = context.track and context.checkpointed[k][m]
+        keep_graph = context.track and not checkpointing
+        boundaries: list[Boundary] | None = [] if context.split and keep_graph else None
         tracker = self._receive_skips(m, cut=boundaries is not None) if self.has_skips else None
         output = self._run(
             value,
@@ -187,18 +188,18 @@ class Stage:
         )
         if tracker is not None:
             self._send_skips(m, tracker, keep=keep_graph and boundaries is None)
-        if step.track:
+        if context.track:
             self.inputs[m] = value
         if boundaries is not None:
             self.boundaries[m] = boundaries
         if self.last or (keep_graph and boundaries is None):
             self.outputs[m] = output
         if not self.last:
-            step.transport.send(ACTIVATION, k, m, output)
+            context.transport.send(ACTIVATION, k, m, output)
 
     def recompute(self, m: int) -> None:
-        boundaries: list[Boundary] | None = [] if self.step.split else None
-        memory = self.step.services.recompute_memory
+        boundaries: list[Boundary] | None = [] if self.context.split else None
+        memory = self.context.services.recompute_memory
         tracker = None
         if self.has_skips:  # the skips received in forward, popped again
             tracker = CellSkipTracker(
@@ -229,52 +230,53 @@ class Stage:
         """The micro-batch's loss, weighted by its share of the batch, and its gradient with
         respect to the stage's output, handed to this stage's backward. In a step that
         records no graph (an evaluation), the loss alone."""
-        if not self.step.track:
+        if not self.context.track:
             self._loss_value(m)
             return
-        step = self.step
+        context = self.context
         output = self.outputs[m]
-        assert output is not None and step.loss_fn is not None, "loss runs after a forward"
+        assert output is not None and context.loss_fn is not None, "loss runs after a forward"
         leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors_of(output)]
-        if not self.step.track or self.step.checkpointed[self.index][m]:
+        if not self.context.track or self.context.checkpointed[self.index][m]:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
-        target = step.target(self.index, m)
+        target = context.target(self.index, m)
         with ExitStack() as stack:
             self._enter_loss_context(stack)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
-            value = _scalar_loss(step.loss_fn(with_tensors(output, leaves), target))
+            value = _scalar_loss(context.loss_fn(with_tensors(output, leaves), target))
             # The weight enters as the loss's incoming gradient: no extra op in the graph.
-            weight = step.loss_weights[m]
+            weight = context.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
             grads: tuple[Any, ...] = (None,) * len(leaves)
             if value.requires_grad and wanted:
                 seed = torch.full_like(value, weight)
-                if step.loss_scale is not None:  # a grad_scaler's: the loss returned stays unscaled
-                    seed = seed * step.loss_scale.to(seed.device, non_blocking=True)
+                # A grad_scaler's scale: the loss returned stays unscaled.
+                if context.loss_scale is not None:
+                    seed = seed * context.loss_scale.to(seed.device, non_blocking=True)
                 grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
-        step.losses[m] = _weighted(value.detach(), weight)
-        step.transport.deliver(GRADIENT, self.index, m, grads)
+        context.losses[m] = _weighted(value.detach(), weight)
+        context.transport.deliver(GRADIENT, self.index, m, grads)
 
     def _loss_value(self, m: int) -> None:
         """The micro-batch's weighted loss under no_grad: no graph, no gradient for anyone."""
-        step = self.step
+        context = self.context
         output = self.outputs[m]
-        assert output is not None and step.loss_fn is not None, "loss runs after a forward"
+        assert output is not None and context.loss_fn is not None, "loss runs after a forward"
         self.outputs[m] = None
-        target = step.target(self.index, m)
+        target = context.target(self.index, m)
         with ExitStack() as stack:
             self._enter_loss_context(stack)
             stack.enter_context(torch.no_grad())
-            value = _scalar_loss(step.loss_fn(output, target))
-        step.losses[m] = _weighted(value, step.loss_weights[m])
+            value = _scalar_loss(context.loss_fn(output, target))
+        context.losses[m] = _weighted(value, context.loss_weights[m])
 
     def _enter_loss_context(self, stack: ExitStack) -> None:
         """What loss_fn runs under: the stage's stream and the caller's autocast."""
         if self.cell.stream is not None:
             stack.enter_context(self.cell.streams.on(self.index))
-        if self.step.autocast.enabled:
-            self.step.autocast.enter(stack)
+        if self.context.autocast.enabled:
+            self.context.autocast.enter(stack)
 
     def backward(self, m: int) -> None:
         grads = self._receive_gradient(m)
@@ -363,33 +365,33 @@ class Stage:
     # -- communication: run on the process's communication worker --------------------------
 
     def send_forward(self, m: int) -> None:
-        self.step.transport.post(ACTIVATION, self.index, m)
+        self.context.transport.post(ACTIVATION, self.index, m)
 
     def recv_forward(self, m: int) -> None:
-        self.step.transport.fetch(ACTIVATION, self.index, m)
+        self.context.transport.fetch(ACTIVATION, self.index, m)
 
     def send_backward(self, m: int) -> None:
-        self.step.transport.post(GRADIENT, self.index, m)
+        self.context.transport.post(GRADIENT, self.index, m)
 
     def recv_backward(self, m: int) -> None:
-        self.step.transport.fetch(GRADIENT, self.index, m)
+        self.context.transport.fetch(GRADIENT, self.index, m)
 
     def send_skips(self, m: int) -> None:
-        self.step.transport.post_skips(ACTIVATION, self.index, m)
+        self.context.transport.post_skips(ACTIVATION, self.index, m)
 
     def recv_skips(self, m: int) -> None:
-        self.step.transport.fetch_skips(ACTIVATION, self.index, m)
+        self.context.transport.fetch_skips(ACTIVATION, self.index, m)
 
     def send_skip_grads(self, m: int) -> None:
-        self.step.transport.post_skips(GRADIENT, self.index, m)
+        self.context.transport.post_skips(GRADIENT, self.index, m)
 
     def recv_skip_grads(self, m: int) -> None:
-        self.step.transport.fetch_skips(GRADIENT, self.index, m)
+        self.context.transport.fetch_skips(GRADIENT, self.index, m)
 
     def reduce_grad(self, m: int) -> None:
         """The stage's gradients summed over the data-parallel replicas (after its last
         backward; `m` is 0)."""
-        reduce = self.step.services.reduce_gradients
+        reduce = self.context.services.reduce_gradients
         assert reduce is not None, "reduce_grad runs only in a pipe with dp_group"
         reduce(self.index)
 
@@ -402,34 +404,36 @@ class Stage:
         return self.cell.layer_parameters()
 
     def _run(self, value: Tree, m: int, **kwargs: Any) -> Tree:
-        step = self.step
-        return self.cell.run(value, seed=step.seed, microbatch=m, autocast=step.autocast, **kwargs)
+        context = self.context
+        return self.cell.run(
+            value, seed=context.seed, microbatch=m, autocast=context.autocast, **kwargs
+        )
 
     def _receive_gradient(self, m: int) -> tuple[Any, ...]:
         self.copying = True
-        grads = self.step.transport.recv(GRADIENT, self.index, m)
+        grads = self.context.transport.recv(GRADIENT, self.index, m)
         self.copying = False
         return tuple(grads) if isinstance(grads, tuple) else (grads,)
 
     def _receive_skips(self, m: int, *, cut: bool) -> CellSkipTracker:
         """The tracker of micro-batch m's forward, holding the skips sent from earlier
         stages as leaves (which require a gradient when the stashing stage computes one)."""
-        step = self.step
+        context = self.context
         received: dict[SkipKey, Tensor | None] = {}
         for key, source in self.receives:
             tensor = self._recv_skip(ACTIVATION, m, key)
             if tensor is not None:
-                needs = step.computes_grad[source] and tensor.is_floating_point()
+                needs = context.computes_grad[source] and tensor.is_floating_point()
                 tensor.requires_grad_(needs)
             received[key] = tensor
-        if step.track and self.receives:
+        if context.track and self.receives:
             self.skips_in[m] = received  # for recompute and backward
         return CellSkipTracker(self.skips, self.index, received, cut=cut)  # type: ignore[arg-type]
 
     def _send_skips(self, m: int, tracker: CellSkipTracker, *, keep: bool) -> None:
         """Sends what the forward stashed for later stages straight to them; `keep`: with
         its graph, for this stage's backward."""
-        transport = self.step.transport
+        transport = self.context.transport
         for key, receiver in self.sends:
             transport.send_skip(ACTIVATION, self.index, receiver, m, key, tracker.outgoing.get(key))
         if keep and self.sends:
@@ -437,14 +441,14 @@ class Stage:
 
     def _recv_skip(self, flow: Flow, m: int, key: SkipKey) -> Tensor | None:
         self.copying = True
-        tensor = self.step.transport.recv_skip(flow, self.index, m, key)
+        tensor = self.context.transport.recv_skip(flow, self.index, m, key)
         self.copying = False
         return tensor
 
     def _send_skip_grads(self, m: int, grads: dict[SkipKey, Any]) -> None:
         """The gradients of the skips this stage popped, to the stages that stashed them
         (None where there is none); the received leaves go."""
-        transport = self.step.transport
+        transport = self.context.transport
         for key, source in self.receives:
             transport.send_skip(GRADIENT, self.index, source, m, key, grads.get(key))
         self.skips_in[m] = None
@@ -453,8 +457,8 @@ class Stage:
         """Hands the input's gradient to the stage before, or to the step (stage 0); the
         micro-batch's buffers go."""
         if self.index > 0:
-            self.step.transport.send(GRADIENT, self.index, m, grads)
+            self.context.transport.send(GRADIENT, self.index, m, grads)
         else:
-            self.step.input_grads[m] = grads
+            self.context.input_grads[m] = grads
         self.inputs[m] = self.outputs[m] = None
         self.skips_in[m] = self.skips_out[m] = None

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from gpipe_fast.distributed.guard import PeerFailure
-from gpipe_fast.nn.cell import Cell
 from gpipe_fast.nn.microbatch import Value
+from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import LossFn, StageServices, StepContext
 from gpipe_fast.runtime.stage import Stage
 from gpipe_fast.schedule.registry import actions

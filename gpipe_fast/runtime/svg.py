@@ -7,12 +7,8 @@ from __future__ import annotations
 import math
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpipe_fast.runtime import picture
-
-if TYPE_CHECKING:
-    from gpipe_fast.runtime.timeline import Timeline
 
 _WIDTH = 1400  # px
 _FONT = 12  # px: row names, axis, legend
@@ -62,7 +58,7 @@ def _text(x: float, y: float, text: str, size: int, **attributes: str) -> str:
     )
 
 
-def _legend(timeline: Timeline, top: float, left: float) -> tuple[list[str], float]:
+def _legend(timeline: picture.PictureTimeline, top: float, left: float) -> tuple[list[str], float]:
     """A column per group, headed by its name; returns the elements and their height."""
     groups = picture.legend(timeline)
     out, column_x, line = [], left, _FONT + 6
@@ -78,7 +74,9 @@ def _legend(timeline: Timeline, top: float, left: float) -> tuple[list[str], flo
     return out, (1 + max(len(entries) for entries in groups.values())) * line
 
 
-def _span(timeline: Timeline, index: int, x: float, y: float, width: float) -> list[str]:
+def _span(
+    timeline: picture.PictureTimeline, index: int, x: float, y: float, width: float
+) -> list[str]:
     span = timeline.spans[index]
     style = picture.style(span.kind)
     out = [
@@ -98,7 +96,7 @@ def _span(timeline: Timeline, index: int, x: float, y: float, width: float) -> l
     return out
 
 
-def to_svg(timeline: Timeline, path: str | Path) -> None:
+def to_svg(timeline: picture.PictureTimeline, path: str | Path) -> None:
     """Writes `timeline` as an SVG picture at `path` (see Timeline.to_svg)."""
     rows = timeline.rows
     names = [timeline.row_name(worker) for worker in range(rows)]

@@ -9,5 +9,7 @@ from dataclasses import dataclass
 class TransportChoice:
     """How a pipe's tensors travel between its processes, and why."""
 
-    kind: str  # "in process", "shared memory", "shared memory and gloo", or the backend's name
+    # The media's names (pipe.transport_kind): "in process", "shared memory", "shared memory
+    # and gloo", or the backend's name.
+    media: str
     reason: str

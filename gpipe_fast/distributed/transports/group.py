@@ -60,7 +60,7 @@ class GroupMedium:
         self.guard.wait(request, what, peer)
         if wire.is_inline(header):  # the tensors came with it, laid out as over the rings
             return wire.message(header.numpy())
-        kind, entries = wire.layout(header)
+        form, entries = wire.read_header(header)
         tensors = [
             None if e is None else torch.empty(e[1], dtype=e[0], device=self.device)
             for e in entries
@@ -70,7 +70,7 @@ class GroupMedium:
         ]
         if requests:  # one hand-off to the guard's waiters for all of them
             self.guard.wait(requests, what, peer)
-        return wire.assemble(kind, tensors)
+        return wire.assemble(form, tensors)
 
     def _collect(self) -> None:
         """Forgets the sends that have completed (their buffers may go)."""

@@ -31,7 +31,7 @@ _specs: dict[bytes, pytree.TreeSpec] = {}
 
 class Packed(tuple):  # type: ignore[type-arg]
     """A pytree's message entries: its tensor leaves in order, then a uint8 tensor holding
-    its structure and other leaves pickled (a wire header of kind TREE describes them)."""
+    its structure and other leaves pickled (a wire header of form TREE describes them)."""
 
     __slots__ = ()
 

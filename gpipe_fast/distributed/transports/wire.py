@@ -13,11 +13,11 @@ from gpipe_fast.distributed.transports.packed import Packed, pack, unpack
 from gpipe_fast.transport.protocol import Payload
 
 # A fixed-size int64 header per message, so the receiver can post it before knowing
-# anything: [magic, kind, count, then per entry: dtype code (-1: None), ndim, *shape].
+# anything: [magic, form, count, then per entry: dtype code (-1: None), ndim, *shape].
 HEADER_LENGTH = 128
-# What the entries make: a lone tensor, a plain tuple of tensors and None (the common cases,
-# described by the header alone), or any other pytree (Packed: its tensors, then a uint8
-# entry holding its structure and other leaves pickled).
+# What the entries make, a message's form: a lone tensor, a plain tuple of tensors and None
+# (the common cases, described by the header alone), or any other pytree (Packed: its
+# tensors, then a uint8 entry holding its structure and other leaves pickled).
 TENSOR, TUPLE, TREE = 0, 1, 2
 MAGIC = 0x67705F66  # "gp_f"
 # The magic of a header whose message also carries the tensors (`inline_bytes` of room after
@@ -55,20 +55,20 @@ def packed(payload: Payload) -> Payload:
     it; a sender that both encodes and sends the tensors packs it once, first."""
     if isinstance(payload, Tensor):
         return payload
-    kind = type(payload)
-    if kind is tuple:
+    cls = type(payload)
+    if cls is tuple:
         for entry in payload:  # a loop, not all(): this runs on every message
             if entry is not None and not isinstance(entry, Tensor):
                 return pack(payload)
         return payload
-    return payload if kind is Packed else pack(payload)
+    return payload if cls is Packed else pack(payload)
 
 
 def _header_words(payload: Payload, inline: bool) -> list[int]:
     """The header's words (HEADER_LENGTH of them) describing `payload` (packed)."""
     entries: Sequence[Tensor | None] = payload if isinstance(payload, tuple) else (payload,)
-    kind = TREE if type(payload) is Packed else TUPLE if isinstance(payload, tuple) else TENSOR
-    header = [MAGIC_INLINE if inline else MAGIC, kind, len(entries)]
+    form = TREE if type(payload) is Packed else TUPLE if isinstance(payload, tuple) else TENSOR
+    header = [MAGIC_INLINE if inline else MAGIC, form, len(entries)]
     for entry in entries:
         if entry is None:
             header += [-1, 0]
@@ -132,7 +132,7 @@ def message(buffer: Any) -> Payload:
     """The payload of an inline message received whole in `buffer` (any object with the
     buffer protocol, kept alive by the tensors, which are views of it)."""
     words = memoryview(buffer).cast("B")[: HEADER_LENGTH * 8].cast("q")
-    kind, entries = _entries(words.tolist())
+    form, entries = _entries(words.tolist())
     out: list[Tensor | None] = []
     at = HEADER_LENGTH * 8
     for entry in entries:
@@ -146,7 +146,7 @@ def message(buffer: Any) -> Payload:
             continue
         out.append(torch.frombuffer(buffer, dtype=dtype, count=count, offset=at).view(shape))
         at += _aligned(count * dtype.itemsize)
-    return assemble(kind, out)
+    return assemble(form, out)
 
 
 def empty_header(device: torch.device, inline_bytes: int = 0) -> Tensor:
@@ -162,8 +162,8 @@ def is_inline(header: Tensor) -> bool:
 Entry = tuple[torch.dtype, tuple[int, ...]] | None  # a tensor's dtype and shape, or None
 
 
-def layout(header: Tensor) -> tuple[int, list[Entry]]:
-    """(kind, per entry its dtype and shape or None) from a received header."""
+def read_header(header: Tensor) -> tuple[int, list[Entry]]:
+    """(form, per entry its dtype and shape or None) from a received header."""
     return _entries(header[:HEADER_LENGTH].tolist())
 
 
@@ -173,7 +173,7 @@ def _entries(values: list[int]) -> tuple[int, list[Entry]]:
             "gpipe_fast: a boundary message did not start with a gpipe_fast header: the ranks "
             "run different programs (same model, balance, chunks and schedule on every rank?)"
         )
-    kind, count, at = values[1], values[2], 3
+    form, count, at = values[1], values[2], 3
     entries: list[Entry] = []
     for _ in range(count):
         code, ndim = values[at], values[at + 1]
@@ -183,7 +183,7 @@ def _entries(values: list[int]) -> tuple[int, list[Entry]]:
             continue
         entries.append((DTYPES[code], tuple(values[at : at + ndim])))
         at += ndim
-    return kind, entries
+    return form, entries
 
 
 def tensors(payload: Payload, device: torch.device | None = None) -> list[Tensor]:
@@ -201,8 +201,8 @@ def _contiguous(payload: Payload) -> list[Tensor]:
     return [t.detach().contiguous() for t in entries if t is not None]
 
 
-def assemble(kind: int, entries: Sequence[Tensor | None]) -> Payload:
-    """The payload of a message of `kind` whose entries were received."""
-    if kind == TREE:
+def assemble(form: int, entries: Sequence[Tensor | None]) -> Payload:
+    """The payload of a message of `form` whose entries were received."""
+    if form == TREE:
         return unpack(entries)
-    return tuple(entries) if kind == TUPLE else entries[0]
+    return tuple(entries) if form == TUPLE else entries[0]

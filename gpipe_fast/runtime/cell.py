@@ -13,7 +13,8 @@ from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
 from gpipe_fast.nn.checkpoint import pass_flags
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
-from gpipe_fast.skip.tracker import CellSkipTracker, SkipKey, use_skip_tracker
+from gpipe_fast.skip.cell_tracker import CellSkipTracker
+from gpipe_fast.skip.tracker import SkipKey, use_skip_tracker
 
 
 @dataclass(frozen=True)

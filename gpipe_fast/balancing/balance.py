@@ -8,7 +8,7 @@ from torch import nn
 
 from gpipe_fast import _C
 from gpipe_fast.arguments import check_cost, check_costs, check_count, check_int, check_module
-from gpipe_fast.planning.profile import (
+from gpipe_fast.balancing.profile import (
     Device,
     Sample,
     layer_costs_by_params,

@@ -1,0 +1,1 @@
+"""Balancing: layers profiled (time, size, parameters) and cut into cells, for balance=None."""

@@ -1,0 +1,73 @@
+"""The package's layers, lowest first: a module imports only from its own layer or a lower one.
+
+tests/test_layers.py checks every import against this list (and that no modules import each
+other in a cycle), and that docs/architecture.md's table of layers says what it says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Modules (dotted names under gpipe_fast: a package takes its modules with it; a module
+    belongs to the layer of its longest matching name) and what they hold, in words."""
+
+    modules: tuple[str, ...]
+    holds: str
+
+
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        ("_C", "arguments", "layers"),
+        "the native core; argument checks shared by every layer; this list",
+    ),
+    Layer(
+        ("nn", "device", "skip"),
+        "what a pipe does to layers (micro-batches, checkpointing, BatchNorm, randomness, ties, "
+        "meta-device builds); streams, copies, recompute pools, host cores; skippable layers, "
+        "their trackers and the skip layout",
+    ),
+    Layer(
+        ("capture",),
+        "any model cut into stages, untraced: its forward's module calls found, planned and split",
+    ),
+    Layer(
+        ("schedule",),
+        "the registry of schedule kinds and actions (read from `_C`), each pipe's schedule cache",
+    ),
+    Layer(("transport",), "the `Transport` protocol, the in-process transport"),
+    Layer(
+        ("distributed",),
+        "process layouts, the guard of every wait, process groups, gradient reductions, the "
+        "transport across processes and its media (`distributed/transports/`), the "
+        "cross-process side of the step path",
+    ),
+    Layer(
+        ("runtime",),
+        "each stage's lasting cell, the pipeline (composition root), the step path and its "
+        "one-process side, `pipe(x)` through autograd, the runner (phase drivers), a step's "
+        "state and dispatch, the `Stage`, the autograd bridge, timelines and their pictures, "
+        "memory",
+    ),
+    Layer(
+        ("balancing",),
+        "layers profiled and partitioned: the partitioner behind `balance=None`",
+    ),
+    Layer(
+        ("api",),
+        "`GPipe`, `gf.pipeline`, clipping, the loss scaler, state-dict hooks, device defaults, "
+        "live pipes",
+    ),
+    Layer(
+        ("planning",),
+        "`gf.plan`: plans, predictions and calibration; the runtime's cost per task, measured "
+        "through a pipe",
+    ),
+    Layer(
+        ("__init__", "balance"),
+        "the package's own names (`gf.*`); torchgpipe's import path of the balancing helpers",
+    ),
+    Layer(("demo",), "`python -m gpipe_fast demo`"),
+    Layer(("__main__",), "the command line"),
+)

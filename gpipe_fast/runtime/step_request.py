@@ -1,0 +1,75 @@
+"""A step as data (StepRequest), and what each side of the step path does (StepSide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.distributed.transports.registry import PipeMedia
+from gpipe_fast.nn.microbatch import BatchShare, Value
+from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.transport.protocol import Transport
+
+T = TypeVar("T")
+
+# The programs a step may run: every task of a training step; the forwards and losses of an
+# evaluation; the forwards alone (pipe(x) under no_grad across processes).
+PROGRAMS = ("train", "evaluate", "forward")
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One step as data: its program (one of PROGRAMS), the micro-batches its batch is
+    split into, its checkpointing (a training step's) and its loss (none for "forward"):
+    `reduction` weighs the micro-batches' losses and `loss_scale` (a GradScaler's) scales
+    their gradients."""
+
+    program: str
+    chunks: int
+    checkpoint: str = "never"
+    loss_fn: LossFn | None = None
+    reduction: str = "mean"
+    loss_scale: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.program not in PROGRAMS:
+            raise ValueError(f"program must be one of {PROGRAMS}, got {self.program!r}")
+
+    @property
+    def has_loss(self) -> bool:
+        return self.program != "forward"
+
+
+class StepSide(Protocol):
+    """What one side of the step path does around a step: one process, or this rank's
+    part across processes."""
+
+    media: PipeMedia
+
+    def report(self, error: BaseException) -> None:
+        """Tells whoever else runs the step of a failure here."""
+
+    def make_transport(self, streams: CellStreams, devices: Sequence[torch.device]) -> Transport:
+        """A step's transport between the cells."""
+
+    def share(
+        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+    ) -> BatchShare:
+        """This process's share of the step's batch."""
+
+    def run(self, run: Callable[[], T], *, backward: bool) -> T:
+        """Runs this process's part of the step (`run`), with what it needs around it."""
+
+    def after_backward(self) -> None:
+        """What a backward leaves to sum once every cell's is done (tied gradients)."""
+
+    def loss(self, local: Tensor | None) -> Tensor:
+        """The whole batch's loss, from this process's losses (None: none here)."""
+
+    def close(self) -> None:
+        """Releases what the side holds (media, helper threads)."""
