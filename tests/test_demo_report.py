@@ -150,15 +150,6 @@ def test_format_breakdown_has_a_row_per_cell_with_the_shares() -> None:
     assert sum(shares) == pytest.approx(100.0, abs=0.3)
 
 
-def test_intra_op_threads_are_restored() -> None:
-    before = torch.get_num_threads()
-    with alone.intra_op_threads(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    with alone.intra_op_threads(None):
-        assert torch.get_num_threads() == before
-
-
 def test_median_costs_takes_each_pass_median() -> None:
     runs = [alone.AloneCosts(1.0, 5.0, 9.0, loss=1.0), alone.AloneCosts(3.0, 4.0, 7.0)]
     runs.append(alone.AloneCosts(2.0, 6.0, 8.0, loss=2.0))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import gpipe_fast as gf
+from gpipe_fast.device.host import intra_op_threads
 from gpipe_fast.nn.microbatch import scatter
 from gpipe_fast.runtime.timeline import Kind
 from gpipe_fast.schedule.registry import schedule_kind
@@ -44,20 +44,6 @@ class AloneCosts:
         if kind in ("backward", "backward_input", "backward_weight", "loss"):
             return float(getattr(self, kind))
         return 0.0
-
-
-@contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """This thread's intra-op threads set to `threads` (None: left as they are)."""
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _timer(device: torch.device) -> Callable[[], float]:
