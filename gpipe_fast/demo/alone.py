@@ -1,4 +1,4 @@
-"""The demo's cells timed alone, outside the pipe: what each kind of task computes."""
+"""The demo's cells timed alone, outside the pipe: each kind of task's cost, as the planner's."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -15,35 +14,11 @@ from torch import Tensor, nn
 import gpipe_fast as gf
 from gpipe_fast.device.host import intra_op_threads
 from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.runtime.timeline import Kind
+from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.schedule.registry import schedule_kind
 from gpipe_fast.skip import CellSkipTracker, SkipLayout, inspect_skip_layout, use_skip_tracker
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class AloneCosts:
-    """Seconds one cell takes on one micro-batch, timed alone outside the pipe (median)."""
-
-    forward: float  # without a graph: the forward of a checkpointed micro-batch
-    forward_grad: float  # building the graph: a forward not checkpointed, or a recompute
-    backward: float
-    # The split backward's halves (zero_bubble, zbv): the input's gradient, the weights'.
-    backward_input: float = 0.0
-    backward_weight: float = 0.0
-    loss: float = 0.0  # the loss and its gradient, on the last cell's output only
-
-    def of(self, kind: Kind, checkpointed: bool) -> float:
-        """What a task of this kind computes, on a micro-batch checkpointed or not (0 for a
-        kind that computes nothing of the cell: a send or a receive)."""
-        if kind == "forward":
-            return self.forward if checkpointed else self.forward_grad
-        if kind == "recompute":
-            return self.forward_grad
-        if kind in ("backward", "backward_input", "backward_weight", "loss"):
-            return float(getattr(self, kind))
-        return 0.0
 
 
 def _timer(device: torch.device) -> Callable[[], float]:
@@ -64,7 +39,7 @@ def time_cell_alone(
     threads: int | None,
     repeats: int = 5,
     split: bool = False,
-) -> AloneCosts:
+) -> StageCosts:
     """Times `cell` on `sample` (one micro-batch, on the cell's device) on this thread with
     `threads` intra-op threads, as the cell's worker runs it: the medians of `repeats` runs
     after one warm-up; with `split`, the backward's two halves too (the input's gradient,
@@ -99,7 +74,13 @@ def time_cell_alone(
     medians = {name: statistics.median(runs[1:]) for name, runs in times.items() if runs}
     if split:  # the whole backward, as the simulator prices an unsplit one
         medians["backward"] = medians["backward_input"] + medians["backward_weight"]
-    return AloneCosts(**medians)
+    return StageCosts(
+        forward=medians["forward_grad"],
+        forward_no_grad=medians["forward"],
+        backward=medians["backward"],
+        backward_input=medians.get("backward_input", 0.0),
+        backward_weight=medians.get("backward_weight", 0.0),
+    )
 
 
 def time_loss_alone(output: Tensor, target: Tensor, loss_fn: LossFn, repeats: int = 5) -> float:
@@ -115,14 +96,14 @@ def time_loss_alone(output: Tensor, target: Tensor, loss_fn: LossFn, repeats: in
     return statistics.median(runs[1:])
 
 
-def median_costs(runs: Sequence[AloneCosts]) -> AloneCosts:
-    """Each pass's median over several timings of one cell."""
-    return AloneCosts(
-        **{
-            field.name: statistics.median(getattr(r, field.name) for r in runs)
-            for field in dataclasses.fields(AloneCosts)
-        }
-    )
+def median_costs(runs: Sequence[StageCosts]) -> StageCosts:
+    """Each pass's median over several timings of one cell (a pass none of them timed stays
+    unknown)."""
+    medians: dict[str, Any] = {}
+    for field in dataclasses.fields(StageCosts):
+        values = [getattr(r, field.name) for r in runs if getattr(r, field.name) is not None]
+        medians[field.name] = statistics.median(values) if values else None
+    return StageCosts(**medians)
 
 
 class _WithSkips(nn.Module):
@@ -143,7 +124,7 @@ def time_cells_alone(
     batch: Tensor,
     repeats: int = 5,
     loss: tuple[Tensor, LossFn] | None = None,
-) -> list[AloneCosts]:
+) -> list[StageCosts]:
     """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input, and the
     skips it pops, made by the cells before it), with the pipe's threads per cell, and with
     the backward split in halves when the pipe's schedule splits it; with `loss` (the batch's
