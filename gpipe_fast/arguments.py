@@ -41,17 +41,25 @@ def check_costs(costs: object, name: str) -> list[float]:
     return checked
 
 
-def check_module(module: object) -> nn.Sequential:
+def check_sequential(module: object) -> nn.Sequential:
+    """`module` as an nn.Sequential, empty or not."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+    return module
+
+
+def check_module(module: object) -> nn.Sequential:
+    """`module` as an nn.Sequential of at least one layer."""
+    module = check_sequential(module)
     if len(module) == 0:
         raise ValueError("module must have at least one layer")
     return module
 
 
-def check_int(value: object, name: str, minimum: int) -> int:
+def check_int(value: object, name: str, minimum: int, kind: str = "an int") -> int:
+    """`value` as an int >= `minimum`; `kind` is what the TypeError says it must be."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
@@ -133,12 +141,21 @@ def check_checkpoint(checkpoint: object) -> str:
     return mode
 
 
-def check_timeout(timeout: object) -> float:
+def check_timeout(
+    timeout: object, name: str = "timeout", kind: str = "a number of seconds"
+) -> float:
+    """`timeout` as seconds > 0; `kind` is what the TypeError says it must be."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        raise TypeError(f"{name} must be {kind}, got {type(timeout).__name__}")
     if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        raise ValueError(f"{name} must be > 0 seconds, got {timeout}")
     return float(timeout)
+
+
+def check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_devices(devices: object) -> list[torch.device]:

@@ -20,10 +20,13 @@ from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
     check_balance,
+    check_bool,
     check_checkpoint,
     check_chunks,
     check_devices,
+    check_int,
     check_loss_arguments,
+    check_sequential,
     check_timeout,
 )
 from gpipe_fast.device import host
@@ -157,12 +160,10 @@ class GPipe(nn.Module):
         super().__init__()
         dp_group = dp_group_of(dp_group)
         check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+        module = check_sequential(module)
         chunks = check_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)
-        if not isinstance(recompute_pool, bool):
-            raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
+        check_bool(recompute_pool, "recompute_pool")
         schedule = check_schedule(schedule)
         timeout = check_timeout(timeout)
         if init_fn is not None and not callable(init_fn):
@@ -261,11 +262,14 @@ class GPipe(nn.Module):
         # pipeline's ranks on one host also exchange tensors over shared memory.
         grouped = layout.multi_process or layout.dp_group is not None
         hosts = host_peers() if grouped else None
+        given = threads_per_cell
+        if given is not None:
+            given = check_int(given, "threads_per_cell", 1, "an int or None")
         self._threads = host.threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
             processes=hosts.processes_here if hosts is not None else 1,
             one_worker=layout.multi_process,
-            given=_check_threads(threads_per_cell),
+            given=given,
         )
         if hosts is not None:
             self._threads = host.share_with_caller(self._threads, hosts.processes_here)
@@ -391,14 +395,11 @@ class GPipe(nn.Module):
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
-        if seconds is not None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-                raise TypeError(
-                    f"step_timeout must be a number of seconds or None, got {seconds!r}"
-                )
-            if not seconds > 0:
-                raise ValueError(f"step_timeout must be > 0 seconds, got {seconds}")
-        self._step_timeout = None if seconds is None else float(seconds)
+        self._step_timeout = (
+            None
+            if seconds is None
+            else check_timeout(seconds, "step_timeout", "a number of seconds or None")
+        )
         if self._pipeline is not None:
             self._pipeline.step_timeout = self._step_timeout
 
@@ -732,16 +733,6 @@ def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Te
     if loss.requires_grad:
         loss.backward()
     return loss.detach()
-
-
-def _check_threads(threads: object) -> int | None:
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads_per_cell must be an int or None, got {threads!r}")
-    if threads < 1:
-        raise ValueError(f"threads_per_cell must be >= 1, got {threads}")
-    return threads
 
 
 def pipeline_of(pipe: GPipe) -> Pipeline | None:
