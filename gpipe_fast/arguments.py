@@ -23,6 +23,17 @@ def check_count(value: object, name: str, layers: int) -> int:
     return count
 
 
+def check_non_negative(value: object, name: str, kind: str = "a number", unit: str = "") -> float:
+    """`value` as a finite float >= 0; `kind` is what the TypeError says it must be, `unit`
+    follows the bound in the ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0.0:
+        raise ValueError(f"{name} must be finite and >= 0{unit}, got {value}")
+    return number
+
+
 def check_cost(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -66,12 +77,7 @@ def check_int(value: object, name: str, minimum: int, kind: str = "an int") -> i
 
 
 def check_seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0.0:
-        raise ValueError(f"{name} must be finite and >= 0 seconds, got {value}")
-    return seconds
+    return check_non_negative(value, name, "a number of seconds", " seconds")
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:

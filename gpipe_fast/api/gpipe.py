@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from functools import partial
-from typing import Any, ClassVar, NoReturn, cast
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ from gpipe_fast.skip.skippable import Skippable
 from gpipe_fast.skip.verify import verify_skippables
 
 Device = torch.device | str | int
+TensorT = TypeVar("TensorT", bound=Tensor)  # a parameter or a buffer
 
 # Appended to errors about a balance that does not fit the module.
 BALANCE_ADVICE = (
@@ -321,21 +322,22 @@ class GPipe(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the model's own names, as in ``state_dict()``."""
-        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            key = state_dict.model_key(
-                name, f"{prefix}." if prefix else "", self._transparent_layers
-            )
-            yield key, param
+        named = super().named_parameters(prefix, recurse, remove_duplicate)
+        return self._under_model_keys(named, prefix)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under the model's own names, as in ``state_dict()``."""
-        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            key = state_dict.model_key(
-                name, f"{prefix}." if prefix else "", self._transparent_layers
-            )
-            yield key, buffer
+        named = super().named_buffers(prefix, recurse, remove_duplicate)
+        return self._under_model_keys(named, prefix)
+
+    def _under_model_keys(
+        self, named: Iterator[tuple[str, TensorT]], prefix: str
+    ) -> Iterator[tuple[str, TensorT]]:
+        dot = f"{prefix}." if prefix else ""
+        for name, tensor in named:
+            yield state_dict.model_key(name, dot, self._transparent_layers), tensor
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
-import numbers
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -15,7 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_fast.arguments import check_choice, check_int, check_module, check_seconds
+from gpipe_fast.arguments import (
+    check_choice,
+    check_int,
+    check_module,
+    check_non_negative,
+    check_seconds,
+)
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
 
@@ -325,11 +329,7 @@ def layer_output_bytes(
 
 
 def check_param_scale(param_scale: object) -> float:
-    if isinstance(param_scale, bool) or not isinstance(param_scale, numbers.Real):
-        raise TypeError(f"param_scale must be a number, got {type(param_scale).__name__}")
-    if not math.isfinite(param_scale) or param_scale < 0.0:
-        raise ValueError(f"param_scale must be finite and >= 0, got {param_scale}")
-    return float(param_scale)
+    return check_non_negative(param_scale, "param_scale")
 
 
 def layer_costs_by_size(
