@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -15,21 +14,11 @@ import gpipe_fast as gf
 from gpipe_fast.device.host import intra_op_threads
 from gpipe_fast.nn.microbatch import scatter
 from gpipe_fast.planning.predict import StageCosts
+from gpipe_fast.planning.profile import input_gradient, timed, weight_gradient
 from gpipe_fast.schedule.registry import schedule_kind
 from gpipe_fast.skip import CellSkipTracker, SkipLayout, inspect_skip_layout, use_skip_tracker
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-def _timer(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter
 
 
 def time_cell_alone(
@@ -44,33 +33,26 @@ def time_cell_alone(
     `threads` intra-op threads, as the cell's worker runs it: the medians of `repeats` runs
     after one warm-up; with `split`, the backward's two halves too (the input's gradient,
     then the weights'). The backward accumulates into the cell's .grad; zero it afterwards."""
-    clock = _timer(sample.device)
+    device = sample.device
     params = [p for p in cell.parameters() if p.requires_grad]
     passes = ("forward", "forward_grad", "backward", "backward_input", "backward_weight")
     times: dict[str, list[float]] = {name: [] for name in passes}
     with intra_op_threads(threads):
         for _ in range(repeats + 1):
-            start = clock()
             with torch.no_grad():
-                cell(sample)
-            times["forward"].append(clock() - start)
+                times["forward"].append(timed(device, cell, sample)[0])
             leaf = sample.detach().requires_grad_(needs_input_grad or split)
-            start = clock()
             with torch.enable_grad():
-                output = cell(leaf)
-            times["forward_grad"].append(clock() - start)
+                seconds, output = timed(device, cell, leaf)
+            times["forward_grad"].append(seconds)
             grad = torch.ones_like(output)
-            start = clock()
             if split:
-                torch.autograd.grad(output, [leaf], grad, retain_graph=True)
-                times["backward_input"].append(clock() - start)
-                start = clock()
-                if params:
-                    torch.autograd.backward(output, grad, inputs=params)
-                times["backward_weight"].append(clock() - start)
+                halves = [output], [grad]
+                times["backward_input"].append(timed(device, input_gradient, *halves, leaf)[0])
+                weights = timed(device, weight_gradient, *halves, params)[0] if params else 0.0
+                times["backward_weight"].append(weights)
             else:
-                torch.autograd.backward(output, grad)
-                times["backward"].append(clock() - start)
+                times["backward"].append(timed(device, torch.autograd.backward, output, grad)[0])
     medians = {name: statistics.median(runs[1:]) for name, runs in times.items() if runs}
     if split:  # the whole backward, as the simulator prices an unsplit one
         medians["backward"] = medians["backward_input"] + medians["backward_weight"]
@@ -85,15 +67,16 @@ def time_cell_alone(
 
 def time_loss_alone(output: Tensor, target: Tensor, loss_fn: LossFn, repeats: int = 5) -> float:
     """Seconds of `loss_fn` on one micro-batch's output and its gradient (median)."""
-    clock = _timer(output.device)
     runs = []
     for _ in range(repeats + 1):
         leaf = output.detach().requires_grad_(True)
-        start = clock()
-        with torch.enable_grad():
-            loss_fn(leaf, target).backward()
-        runs.append(clock() - start)
+        runs.append(timed(output.device, _loss_and_gradient, loss_fn, leaf, target)[0])
     return statistics.median(runs[1:])
+
+
+def _loss_and_gradient(loss_fn: LossFn, output: Tensor, target: Tensor) -> None:
+    with torch.enable_grad():
+        loss_fn(output, target).backward()
 
 
 def median_costs(runs: Sequence[StageCosts]) -> StageCosts:

@@ -147,7 +147,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+def timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     """Seconds `fn(*args)` takes on `device`, waiting for queued kernels on both sides."""
     _synchronize(device)
     start = _clock()
@@ -162,14 +162,14 @@ def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Ten
     return roots, [torch.ones_like(t) for t in roots]
 
 
-def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Tree) -> None:
+def input_gradient(roots: list[Tensor], grads: list[Tensor], inputs: Tree) -> None:
     """The backward of zero bubble: the input's gradient alone, then the weights'."""
     wanted = [t for t in tensors_of(inputs) if t.requires_grad]
     if wanted:
         torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
 
 
-def _weight_backward(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
+def weight_gradient(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
     torch.autograd.backward(roots, grads, inputs=params)
 
 
@@ -198,17 +198,17 @@ def _profile_layer(
     run = 0
     while True:
         inputs = _fresh_input(value, needs_grad)
-        forward_s, output = _timed(device, layer, inputs)
+        forward_s, output = timed(device, layer, inputs)
         roots, grads = _backward_roots(tensors_of(output))
-        backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
+        backward_s = timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
         if split is not None:
             inputs = _fresh_input(value, needs_grad)
             roots, grads = _backward_roots(tensors_of(layer(inputs)))
             input_s = weight_s = 0.0
             if roots:
-                input_s = _timed(device, _split_backward, roots, grads, inputs)[0]
+                input_s = timed(device, input_gradient, roots, grads, inputs)[0]
             if roots and params:
-                weight_s = _timed(device, _weight_backward, roots, grads, params)[0]
+                weight_s = timed(device, weight_gradient, roots, grads, params)[0]
         run += 1
         if run > warmup:
             forward_times.append(forward_s)
