@@ -3,10 +3,9 @@ stream, interleaved; every copy checked byte for byte first."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,12 +370,7 @@ def measure(device: torch.device, cfg: Config) -> harness.Section:
     return harness.Section(data, table, "error" if failed else "ok")
 
 
-def measurement(args: argparse.Namespace) -> harness.Measurement:
-    return harness.scaled(NAME, SCALES, measure, args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return harness.main(__file__, __doc__, measurement, argv)
+measurement, main = harness.scaled_script(__file__, __doc__, NAME, SCALES, measure)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,25 @@ def main(
     return run(script, [measurement(args)], args, argv)
 
 
+def scaled_script(
+    script_file: str,
+    description: str | None,
+    name: str,
+    scales: Mapping[str, Any],
+    measure: Callable[[torch.device, Any], Section],
+) -> tuple[Callable[[argparse.Namespace], Measurement], Callable[[Sequence[str] | None], int]]:
+    """A script's measurement (`measure` at the scale asked for, see scaled) and its main,
+    for a script with no options of its own."""
+
+    def measurement(args: argparse.Namespace) -> Measurement:
+        return scaled(name, scales, measure, args)
+
+    def script_main(argv: Sequence[str] | None = None) -> int:
+        return main(script_file, description, measurement, argv)
+
+    return measurement, script_main
+
+
 def resolve_device(args: argparse.Namespace) -> torch.device | str:
     """The device to measure, or why there is none."""
     if args.smoke_cpu:

@@ -3,11 +3,9 @@ the GPipe paper's O(N + (L/K) x (N/M)) built from quantities measured on the pla
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,12 +200,7 @@ def measure(device: torch.device, cfg: Config) -> harness.Section:
     return harness.Section({"memory_model": model, "results": entries}, table)
 
 
-def measurement(args: argparse.Namespace) -> harness.Measurement:
-    return harness.scaled(NAME, SCALES, measure, args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return harness.main(__file__, __doc__, measurement, argv)
+measurement, main = harness.scaled_script(__file__, __doc__, NAME, SCALES, measure)
 
 
 if __name__ == "__main__":

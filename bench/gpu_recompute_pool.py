@@ -3,10 +3,8 @@ allocator, per cell count and checkpoint mode: peaks, reserved - allocated, devi
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,12 +129,7 @@ def measure(device: torch.device, config: Config) -> harness.Section:
     return harness.Section({"results": entries}, table)
 
 
-def measurement(args: argparse.Namespace) -> harness.Measurement:
-    return harness.scaled(NAME, SCALES, measure, args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return harness.main(__file__, __doc__, measurement, argv)
+measurement, main = harness.scaled_script(__file__, __doc__, NAME, SCALES, measure)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,10 @@ layers it wraps, interleaved round by round; target: K=1, M=1 within 2% of the p
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,12 +174,7 @@ def measure(device: torch.device, cfg: Config) -> harness.Section:
     )
 
 
-def measurement(args: argparse.Namespace) -> harness.Measurement:
-    return harness.scaled(NAME, SCALES, measure, args)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return harness.main(__file__, __doc__, measurement, argv)
+measurement, main = harness.scaled_script(__file__, __doc__, NAME, SCALES, measure)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ def check_count(value: object, name: str, layers: int) -> int:
     return count
 
 
+def check_non_negative(value: object, name: str, kind: str = "a number", unit: str = "") -> float:
+    """`value` as a finite float >= 0; `kind` is what the TypeError says it must be, `unit`
+    follows the bound in the ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0.0:
+        raise ValueError(f"{name} must be finite and >= 0{unit}, got {value}")
+    return number
+
+
 def check_cost(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -41,29 +52,32 @@ def check_costs(costs: object, name: str) -> list[float]:
     return checked
 
 
-def check_module(module: object) -> nn.Sequential:
+def check_sequential(module: object) -> nn.Sequential:
+    """`module` as an nn.Sequential, empty or not."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+    return module
+
+
+def check_module(module: object) -> nn.Sequential:
+    """`module` as an nn.Sequential of at least one layer."""
+    module = check_sequential(module)
     if len(module) == 0:
         raise ValueError("module must have at least one layer")
     return module
 
 
-def check_int(value: object, name: str, minimum: int) -> int:
+def check_int(value: object, name: str, minimum: int, kind: str = "an int") -> int:
+    """`value` as an int >= `minimum`; `kind` is what the TypeError says it must be."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
 
 
 def check_seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0.0:
-        raise ValueError(f"{name} must be finite and >= 0 seconds, got {value}")
-    return seconds
+    return check_non_negative(value, name, "a number of seconds", " seconds")
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
@@ -133,12 +147,21 @@ def check_checkpoint(checkpoint: object) -> str:
     return mode
 
 
-def check_timeout(timeout: object) -> float:
+def check_timeout(
+    timeout: object, name: str = "timeout", kind: str = "a number of seconds"
+) -> float:
+    """`timeout` as seconds > 0; `kind` is what the TypeError says it must be."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        raise TypeError(f"{name} must be {kind}, got {type(timeout).__name__}")
     if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        raise ValueError(f"{name} must be > 0 seconds, got {timeout}")
     return float(timeout)
+
+
+def check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_devices(devices: object) -> list[torch.device]:

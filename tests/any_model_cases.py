@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 import gpipe_fast as gf
 
+from helpers import whole
+
 VOCAB = 31
 WIDTH = 16
 BLOCKS = 4
@@ -184,11 +186,6 @@ def relative(got: Tensor, want: Tensor, floor: float = 0.0) -> float:
     rounding noise whose relative error means nothing."""
     scale = max(want.norm().item(), floor)
     return (got - want).norm().item() / scale if scale else (got - want).norm().item()
-
-
-def whole(tensor: Any) -> Tensor:
-    """A tensor whole: a shard (DTensor, dp_shard) gathered."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def train_against_plain(

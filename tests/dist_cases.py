@@ -26,6 +26,8 @@ import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.api.gpipe import pipeline_of
 
+from helpers import whole
+
 WIDTH = 5
 VOCAB = 11
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -92,9 +94,9 @@ def shard(x: torch.Tensor, replica: int, replicas: int) -> torch.Tensor:
 
 
 def grads_by_name(pipe: gf.GPipe) -> dict[str, list[Any]]:
-    """This rank's gradients under the model's own keys."""
+    """This rank's gradients under the model's own keys, whole (a shard's gathered)."""
     return {
-        name: tensor.grad.tolist()
+        name: whole(tensor.grad).tolist()
         for name, tensor in pipe.state_dict(keep_vars=True).items()
         if tensor.grad is not None
     }
@@ -114,32 +116,45 @@ def train(
     dp: int,
     ties: tuple[tuple[int, int], ...] = (),
     clips: list[tuple[float, Any]] | None = None,
+    zero_grad: bool = True,
+    dtype: str = "float64",
+    **options: Any,
 ) -> dict[str, Any]:
-    """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients,
-    clipped by pipe.clip_grad_norm_(*clips[step]) when `clips` is given (and its norm)."""
+    """Steps of `batches` sizes (each a fresh batch); per step the loss and the gradients
+    (whole), clipped by pipe.clip_grad_norm_(*clips[step]) when `clips` is given (and its
+    norm); each parameter's type and local size. The model and the batches in `dtype`;
+    `zero_grad=False` accumulates the gradients over the steps; `options`: more of GPipe's
+    keywords (dp_shard's)."""
     pp_group, dp_group, replica = groups(pp, dp)
     net = model(layers, ties=tuple(map(tuple, ties)))  # a queue turns the pairs into lists
+    net = net.to(getattr(torch, dtype))
     pipe = gf.GPipe(
         net, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-        pp_group=pp_group, dp_group=dp_group, timeout=60,
+        pp_group=pp_group, dp_group=dp_group, timeout=60, **options,
     )  # fmt: skip
     steps = []
     try:
         for step, size in enumerate(batches):
             x, y = batch(size, seed=100 + step)
-            pipe.zero_grad(set_to_none=True)
-            loss = pipe.train_step(shard(x, replica, dp), shard(y, replica, dp),
-                                   nn.functional.mse_loss)  # fmt: skip
+            if zero_grad:
+                pipe.zero_grad(set_to_none=True)
+            xs, ys = (shard(t, replica, dp).to(getattr(torch, dtype)) for t in (x, y))
+            loss = pipe.train_step(xs, ys, nn.functional.mse_loss)
             norm = pipe.clip_grad_norm_(*clips[step]).item() if clips else None
             steps.append(
                 {"loss": loss.item(), "dtype": str(loss.dtype), "grads": grads_by_name(pipe),
                  "norm": norm}
             )  # fmt: skip
+        local = {
+            name: (type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+            for name, p in pipe.named_parameters()
+        }
     finally:
         pipe.close()
     return {
         "steps": steps, "keys": sorted(pipe.state_dict()), "threads": pipe.threads_per_cell,
         "transport": pipe.transport_kind, "transport_reason": pipe.transport_reason,
+        "local": local,
     }  # fmt: skip
 
 

@@ -13,6 +13,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a shard of a sharded stage (a DTensor, dp_shard) gathered."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def mlp(layers: int, width: int = 6, *, dropout: float = 0.0) -> nn.Sequential:

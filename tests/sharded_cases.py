@@ -10,66 +10,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import gpipe_fast as gf
 
-
-def full_grads(pipe: gf.GPipe) -> dict[str, list[Any]]:
-    """Every gradient, whole (a shard's DTensor gathered), under the model's own keys."""
-    grads = {}
-    for name, param in pipe.named_parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).tolist()
-    return grads
+from helpers import whole
 
 
 def train(
     rank: int,
     world: int,
     *,
-    schedule: str,
-    layers: int,
-    balance: list[int],
-    chunks: int,
-    checkpoint: str,
-    batches: list[int],
-    pp: int,
-    dp: int,
     sync: str = "per_microbatch",
     reshard_after_forward: bool = True,
-    zero_grad: bool = True,
-    ties: tuple[tuple[int, int], ...] = (),
-    dtype: str = "float64",
+    **kwargs: Any,
 ) -> dict[str, Any]:
-    """Steps of `batches` sizes on a sharded pipe: per step the loss and the whole gradients,
-    and whether every parameter is a shard."""
-    pp_group, dp_group, replica = dist_cases.groups(pp, dp)
-    net = dist_cases.model(layers, ties=tuple(map(tuple, ties)))  # a queue makes lists of pairs
-    net = net.to(getattr(torch, dtype))
-    pipe = gf.GPipe(
-        net, balance, chunks=chunks, checkpoint=checkpoint, schedule=schedule,
-        pp_group=pp_group, dp_group=dp_group, timeout=60, dp_shard=True,
-        dp_shard_sync=sync, reshard_after_forward=reshard_after_forward,
-    )  # fmt: skip
-    steps = []
-    try:
-        for step, size in enumerate(batches):
-            x, y = dist_cases.batch(size, seed=100 + step)
-            if zero_grad:
-                pipe.zero_grad(set_to_none=True)
-            xs, ys = dist_cases.shard(x, replica, dp), dist_cases.shard(y, replica, dp)
-            xs, ys = xs.to(getattr(torch, dtype)), ys.to(getattr(torch, dtype))
-            loss = pipe.train_step(xs, ys, nn.functional.mse_loss)
-            steps.append({"loss": loss.item(), "grads": full_grads(pipe)})
-        local = {
-            name: (type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel())
-            for name, p in pipe.named_parameters()
-        }
-    finally:
-        pipe.close()
-    return {"steps": steps, "local": local}
+    """dist_cases.train on a sharded pipe: per step the loss and the whole gradients, and
+    each parameter's type and local size (a shard's)."""
+    return dist_cases.train(rank, world, dp_shard=True, dp_shard_sync=sync,
+                            reshard_after_forward=reshard_after_forward, **kwargs)  # fmt: skip
 
 
 def collectives(
@@ -173,10 +131,6 @@ def optimize(
         pipe.close()
     return {"norms": norms, "params": params, "eval": evaluated, "state": state,
             "gathered_after_eval": gathered_after_eval}  # fmt: skip
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def whole_snapshot(module: nn.Module, opt: torch.optim.Optimizer) -> dcp_cases.Snapshot:

@@ -15,6 +15,7 @@ import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.demo import alone as alone
 from gpipe_fast.demo import report as report
+from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import SCHEDULES, actions, ideal_bubble
 
@@ -34,7 +35,7 @@ _SPANS = [
     TaskSpan("backward", "backward", 0, 1, 13.0, 15.0, task=1),
     TaskSpan("backward", "backward", 0, 0, 15.25, 17.25, task=2),  # 0.25 s after B(1,0)
 ]
-_ALONE = alone.AloneCosts(forward=0.5, forward_grad=0.8, backward=1.6)
+_ALONE = StageCosts(forward=0.8, backward=1.6, forward_no_grad=0.5)
 
 
 def _made_up() -> Timeline:
@@ -42,11 +43,11 @@ def _made_up() -> Timeline:
 
 
 def test_checkpointed_microbatches_are_those_recomputed() -> None:
-    assert report.checkpointed(_made_up()) == {(0, 0), (1, 0)}
+    assert _made_up().checkpointed() == {(0, 0), (1, 0)}
 
 
 def test_handoffs_are_starts_after_the_inputs_and_the_cell_were_ready() -> None:
-    assert report.handoff_seconds(_made_up()) == pytest.approx([0.25, 0.5])
+    assert _made_up().handoffs() == pytest.approx([0.25, 0.5])
 
 
 def test_breakdown_splits_the_makespan_exactly() -> None:
@@ -68,7 +69,7 @@ def test_breakdown_splits_the_makespan_exactly() -> None:
 
 
 def test_breakdown_never_reports_negative_overhead() -> None:
-    slow_alone = alone.AloneCosts(forward=5.0, forward_grad=5.0, backward=5.0)
+    slow_alone = StageCosts(forward=5.0, backward=5.0, forward_no_grad=5.0)
     cells = report.breakdown(_made_up(), [slow_alone, slow_alone], threads=None)
     for cell in cells:
         assert cell.span_overhead_s == 0.0
@@ -84,7 +85,7 @@ def test_simulated_bubble_of_equal_cells_is_the_fill_drain_bubble() -> None:
     assert report.simulated_bubble(timeline, [_ALONE, _ALONE]) == pytest.approx(
         timeline.ideal_bubble
     )
-    slower_last = alone.AloneCosts(forward=1.0, forward_grad=1.6, backward=3.2)
+    slower_last = StageCosts(forward=1.6, backward=3.2, forward_no_grad=1.0)
     assert report.simulated_bubble(timeline, [_ALONE, slower_last]) > timeline.ideal_bubble
 
 
@@ -150,26 +151,19 @@ def test_format_breakdown_has_a_row_per_cell_with_the_shares() -> None:
     assert sum(shares) == pytest.approx(100.0, abs=0.3)
 
 
-def test_intra_op_threads_are_restored() -> None:
-    before = torch.get_num_threads()
-    with alone.intra_op_threads(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-    with alone.intra_op_threads(None):
-        assert torch.get_num_threads() == before
-
-
 def test_median_costs_takes_each_pass_median() -> None:
-    runs = [alone.AloneCosts(1.0, 5.0, 9.0, loss=1.0), alone.AloneCosts(3.0, 4.0, 7.0)]
-    runs.append(alone.AloneCosts(2.0, 6.0, 8.0, loss=2.0))
-    assert alone.median_costs(runs) == alone.AloneCosts(2.0, 5.0, 8.0, loss=1.0)
+    runs = [StageCosts(5.0, 9.0, loss=1.0, forward_no_grad=1.0), StageCosts(4.0, 7.0)]
+    runs.append(StageCosts(6.0, 8.0, loss=2.0, forward_no_grad=2.0))
+    # forward_no_grad: the median of the runs that timed it.
+    assert alone.median_costs(runs) == StageCosts(5.0, 8.0, loss=1.0, forward_no_grad=1.5)
 
 
 def test_time_cell_alone_times_each_pass_and_runs_the_backward() -> None:
     cell = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     costs = alone.time_cell_alone(cell, torch.randn(4, 8), True, threads=1, repeats=2)
     assert all(
-        t > 0 and math.isfinite(t) for t in (costs.forward, costs.forward_grad, costs.backward)
+        t is not None and t > 0 and math.isfinite(t)
+        for t in (costs.forward, costs.forward_no_grad, costs.backward)
     )
     assert cell[0].weight.grad is not None  # the backward ran
 
@@ -200,8 +194,8 @@ def test_breakdown_of_a_real_step_is_consistent(make_pipe: Any, checkpoint: str)
 # -- a train_step of every schedule ------------------------------------------------------------
 
 # The simulator's unit costs, a unit being 1 ms (as _step_of draws them).
-_UNIT = alone.AloneCosts(forward=1e-3, forward_grad=1e-3, backward=2e-3, backward_input=1e-3,
-                         backward_weight=1e-3)  # fmt: skip
+_UNIT = StageCosts(forward=1e-3, backward=2e-3, backward_input=1e-3, backward_weight=1e-3,
+                   forward_no_grad=1e-3)  # fmt: skip
 
 
 def _step_of(schedule: str, workers: int, checkpoint: str, microbatches: int = 4) -> Timeline:
@@ -217,7 +211,7 @@ def _step_of(schedule: str, workers: int, checkpoint: str, microbatches: int = 4
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_train_step_is_explained_per_worker(schedule: str) -> None:
     timeline = _step_of(schedule, workers=2, checkpoint="except_last")
-    step = report.schedules(timeline)["step"]
+    step = timeline.schedules()["step"]
     workers = report.breakdown(timeline, [_UNIT] * timeline.cells, threads=None)
     names = actions()
     for w, worker in enumerate(workers):
@@ -243,7 +237,7 @@ def test_simulated_bubble_of_a_train_step_with_unit_costs_is_the_ideal(schedule:
 def test_a_timeline_of_no_one_process_step_is_refused() -> None:
     timeline = _relabelled(_step_of("zbv", workers=2, checkpoint="never"))
     with pytest.raises(ValueError, match="not those of a one-process 'zbv' step"):
-        report.schedules(timeline)
+        timeline.schedules()
 
 
 def _relabelled(timeline: Timeline) -> Timeline:

@@ -83,3 +83,12 @@ def test_the_callers_threads_are_left_alone_when_set_or_alone(
     kept = host.threads_per_cell([CPU, CPU], processes=2, one_worker=True)
     assert host.share_with_caller(kept, processes=2) == kept
     assert torch.get_num_threads() == before
+
+
+def test_intra_op_threads_are_restored() -> None:
+    before = torch.get_num_threads()
+    with host.intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with host.intra_op_threads(None):
+        assert torch.get_num_threads() == before

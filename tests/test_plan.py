@@ -9,7 +9,7 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.device.host import threads_per_cell
-from gpipe_fast.planning.predict import StageCosts, predict
+from gpipe_fast.planning.predict import StageCosts, predict, task_costs
 
 from helpers import Sleepy, funnel
 
@@ -99,6 +99,30 @@ def test_plan_step_is_the_schedule_simulated_with_its_costs(schedule: str) -> No
     want = predict(steps, costs, result.overhead)
     assert result.step_time == pytest.approx(want.step_time, rel=1e-12)
     assert result.bubble == pytest.approx(want.bubble, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_checkpointed_forward_costs_its_forward_without_a_graph(schedule: str) -> None:
+    steps = _C.make_schedule(schedule, 2, 2, 3, "except_last")
+    flags = _C.recomputed(steps)  # gpipe: all but the last micro-batch; 1f1b: the last stage's not
+    names = _C.actions()
+    costs = [StageCosts(3.0, 7.0, loss=0.5, forward_no_grad=1.0)] * 2
+    priced = {
+        (names[t.action], t.stage, t.microbatch): cost
+        for t, cost in zip(steps.tasks, task_costs(steps, costs, 0.0), strict=True)
+    }
+    assert {cost for (name, *_), cost in priced.items() if name == "forward"} == {1.0, 3.0}
+    for k in range(2):
+        for m in range(3):
+            assert priced["forward", k, m] == (1.0 if flags[k][m] else 3.0)
+            assert priced.get(("recompute", k, m)) == (3.0 if flags[k][m] else None)  # graph
+            assert priced["backward", k, m] == 7.0
+    # Unknown (the planner's profiles): a checkpointed forward costs a forward; or as given.
+    plain = task_costs(steps, [StageCosts(3.0, 7.0, loss=0.5)] * 2, 0.0)
+    assert plain == task_costs(
+        steps, [StageCosts(3.0, 7.0, loss=0.5, forward_no_grad=3.0)] * 2, 0.0
+    )
+    assert task_costs(steps, costs, 0.0, checkpointed=()) == plain
 
 
 def test_predict_adds_the_overhead_to_every_task() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from functools import partial
 from typing import Any
 
 import pytest
@@ -12,19 +13,12 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
+from gpipe_fast.schedule.registry import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+from helpers import mlp
+
 MODES = ("never", "except_last", "always")
-
-
-def _model(stages: int, width: int = 5, *, dropout: float = 0.0) -> nn.Sequential:
-    """Two layers per stage: Linear+Tanh, in float64 so tolerances can be tight."""
-    layers: list[nn.Module] = []
-    for _ in range(stages):
-        layers += [nn.Linear(width, width), nn.Tanh()]
-        if dropout:
-            layers.append(nn.Dropout(dropout))
-    return nn.Sequential(*layers).double()
+_model = partial(mlp, width=5)  # Linear+Tanh layers (and Dropout when asked), float64
 
 
 def _pipe(

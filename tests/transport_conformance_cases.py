@@ -72,6 +72,27 @@ def _same(got: Any, expected: Any) -> None:
         assert got == expected
 
 
+def _send(
+    t: Any, flow: Flow, stage: int, receiver: int, m: int, values: Any, skip: torch.Tensor
+) -> None:
+    """`stage`'s side of a hand-over to `receiver`: its own input delivered and received, then
+    `values` and the skip sent, as the communication tasks post them."""
+    t.deliver(flow, stage, m, values[0])
+    _same(t.recv(flow, stage, m), values[0])
+    t.send(flow, stage, m, values)
+    t.send_skip(flow, stage, receiver, m, SKIP, skip)
+    t.post(flow, stage, m)
+    t.post_skips(flow, stage, m)
+
+
+def _receive(t: Any, flow: Flow, stage: int, m: int, values: Any, skip: torch.Tensor) -> None:
+    """`stage`'s side: the values and the skip fetched, received and checked."""
+    t.fetch(flow, stage, m)
+    t.fetch_skips(flow, stage, m)
+    _same(t.recv(flow, stage, m), values)
+    _same(t.recv_skip(flow, stage, m, SKIP), skip)
+
+
 def exercise(transport: Transport, local: Callable[[int], bool]) -> list[str]:
     """Two micro-batches forward and back between cells 0 and 1 (each step run by the process
     of its cell: `local`), with a skip from cell 0 to cell 1, the communication tasks run as
@@ -84,28 +105,12 @@ def exercise(transport: Transport, local: Callable[[int], bool]) -> list[str]:
         payload, skip = _values(ACTIVATION, m)
         grads, skip_grad = _values(GRADIENT, m)
         if local(0):
-            t.deliver(ACTIVATION, 0, m, payload[0])
-            _same(t.recv(ACTIVATION, 0, m), payload[0])
-            t.send(ACTIVATION, 0, m, payload)
-            t.send_skip(ACTIVATION, 0, 1, m, SKIP, skip)
-            t.post(ACTIVATION, 0, m)
-            t.post_skips(ACTIVATION, 0, m)
+            _send(t, ACTIVATION, 0, 1, m, payload, skip)
         if local(1):
-            t.fetch(ACTIVATION, 1, m)
-            t.fetch_skips(ACTIVATION, 1, m)
-            _same(t.recv(ACTIVATION, 1, m), payload)
-            _same(t.recv_skip(ACTIVATION, 1, m, SKIP), skip)
-            t.deliver(GRADIENT, 1, m, grads[0])
-            _same(t.recv(GRADIENT, 1, m), grads[0])
-            t.send(GRADIENT, 1, m, grads)
-            t.send_skip(GRADIENT, 1, 0, m, SKIP, skip_grad)
-            t.post(GRADIENT, 1, m)
-            t.post_skips(GRADIENT, 1, m)
+            _receive(t, ACTIVATION, 1, m, payload, skip)
+            _send(t, GRADIENT, 1, 0, m, grads, skip_grad)
         if local(0):
-            t.fetch(GRADIENT, 0, m)
-            t.fetch_skips(GRADIENT, 0, m)
-            _same(t.recv(GRADIENT, 0, m), grads)
-            _same(t.recv_skip(GRADIENT, 0, m, SKIP), skip_grad)
+            _receive(t, GRADIENT, 0, m, grads, skip_grad)
     t.finish()
     assert t.pending() == 0
     # A failed step: what was sent and never received is forgotten.

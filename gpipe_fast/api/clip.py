@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+
+from gpipe_fast.nn.tied import local_part
 
 # Sums (or, for the inf-norm, takes the max of) a tensor over the ranks that hold the other
 # cells of the model, in place; None in one process.
@@ -59,7 +62,8 @@ def clip_grad_norm_(
     with_grad = [p for p in parameters if p.grad is not None]
     # A sharded stage's gradient is a DTensor: its norm share is its own shard's, the shards
     # of the other replicas are counted there (`reduce` sums over them too).
-    counted = [_local(p.grad) for p in with_grad if id(p) not in counted_elsewhere]
+    grads = [local_part(cast(Tensor, p.grad)) for p in with_grad]
+    counted = [g for p, g in zip(with_grad, grads, strict=True) if id(p) not in counted_elsewhere]
     local = torch.nn.utils.get_total_norm(counted, norm_type, False, foreach)
     # [share, one mark per dtype in NORM_DTYPES]: a sum (or max) > 0 means some rank has it.
     shares = torch.zeros(1 + len(NORM_DTYPES), dtype=torch.float64, device=device)
@@ -83,18 +87,11 @@ def clip_grad_norm_(
         # Each shard scaled in place, by the factor torch's clip_grads_with_norm_ uses.
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            for p in with_grad:
-                grad = _local(p.grad)
+            for grad in grads:
                 grad.mul_(factor.to(grad.device))
     else:
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
-
-
-def _local(grad: Tensor | None) -> Tensor:
-    """A gradient's tensor on this rank: a shard's local part, or the gradient itself."""
-    assert grad is not None
-    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _dtype_index(dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from functools import partial
-from typing import Any, ClassVar, NoReturn, cast
+from typing import Any, ClassVar, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,13 @@ from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
     check_balance,
+    check_bool,
     check_checkpoint,
     check_chunks,
     check_devices,
+    check_int,
     check_loss_arguments,
+    check_sequential,
     check_timeout,
 )
 from gpipe_fast.balancing.balance import balance_by_params
@@ -57,6 +60,7 @@ from gpipe_fast.skip.skippable import Skippable
 from gpipe_fast.skip.verify import verify_skippables
 
 Device = torch.device | str | int
+TensorT = TypeVar("TensorT", bound=Tensor)  # a parameter or a buffer
 
 # Appended to errors about a balance that does not fit the module.
 BALANCE_ADVICE = (
@@ -159,12 +163,10 @@ class GPipe(nn.Module):
         super().__init__()
         dp_group = dp_group_of(dp_group)
         check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+        module = check_sequential(module)
         chunks = check_chunks(chunks)
         checkpoint = check_checkpoint(checkpoint)
-        if not isinstance(recompute_pool, bool):
-            raise TypeError(f"recompute_pool must be a bool, got {type(recompute_pool).__name__}")
+        check_bool(recompute_pool, "recompute_pool")
         schedule = check_schedule(schedule)
         timeout = check_timeout(timeout)
         if init_fn is not None and not callable(init_fn):
@@ -263,11 +265,14 @@ class GPipe(nn.Module):
         # pipeline's ranks on one host also exchange tensors over shared memory.
         grouped = layout.multi_process or layout.dp_group is not None
         hosts = host_peers() if grouped else None
+        given = threads_per_cell
+        if given is not None:
+            given = check_int(given, "threads_per_cell", 1, "an int or None")
         self._threads = host.threads_per_cell(
             [self.devices[k] for k in layout.local_stages] if cells else [],
             processes=hosts.processes_here if hosts is not None else 1,
             one_worker=layout.multi_process,
-            given=_check_threads(threads_per_cell),
+            given=given,
         )
         if hosts is not None:
             self._threads = host.share_with_caller(self._threads, hosts.processes_here)
@@ -319,21 +324,22 @@ class GPipe(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the model's own names, as in ``state_dict()``."""
-        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            key = state_dict.model_key(
-                name, f"{prefix}." if prefix else "", self._transparent_layers
-            )
-            yield key, param
+        named = super().named_parameters(prefix, recurse, remove_duplicate)
+        return self._under_model_keys(named, prefix)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under the model's own names, as in ``state_dict()``."""
-        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            key = state_dict.model_key(
-                name, f"{prefix}." if prefix else "", self._transparent_layers
-            )
-            yield key, buffer
+        named = super().named_buffers(prefix, recurse, remove_duplicate)
+        return self._under_model_keys(named, prefix)
+
+    def _under_model_keys(
+        self, named: Iterator[tuple[str, TensorT]], prefix: str
+    ) -> Iterator[tuple[str, TensorT]]:
+        dot = f"{prefix}." if prefix else ""
+        for name, tensor in named:
+            yield state_dict.model_key(name, dot, self._transparent_layers), tensor
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys
@@ -393,14 +399,11 @@ class GPipe(nn.Module):
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
-        if seconds is not None:
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-                raise TypeError(
-                    f"step_timeout must be a number of seconds or None, got {seconds!r}"
-                )
-            if not seconds > 0:
-                raise ValueError(f"step_timeout must be > 0 seconds, got {seconds}")
-        self._step_timeout = None if seconds is None else float(seconds)
+        self._step_timeout = (
+            None
+            if seconds is None
+            else check_timeout(seconds, "step_timeout", "a number of seconds or None")
+        )
         if self._pipeline is not None:
             self._pipeline.step_timeout = self._step_timeout
 
@@ -730,16 +733,6 @@ def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Te
     if loss.requires_grad:
         loss.backward()
     return loss.detach()
-
-
-def _check_threads(threads: object) -> int | None:
-    if threads is None:
-        return None
-    if isinstance(threads, bool) or not isinstance(threads, int):
-        raise TypeError(f"threads_per_cell must be an int or None, got {threads!r}")
-    if threads < 1:
-        raise ValueError(f"threads_per_cell must be >= 1, got {threads}")
-    return threads
 
 
 def pipeline_of(pipe: GPipe) -> Pipeline | None:

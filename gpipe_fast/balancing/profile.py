@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
-import numbers
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -15,7 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gpipe_fast.arguments import check_choice, check_int, check_module, check_seconds
+from gpipe_fast.arguments import (
+    check_choice,
+    check_int,
+    check_module,
+    check_non_negative,
+    check_seconds,
+)
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
 
@@ -143,7 +147,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+def timed(device: torch.device, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     """Seconds `fn(*args)` takes on `device`, waiting for queued kernels on both sides."""
     _synchronize(device)
     start = _clock()
@@ -158,14 +162,14 @@ def _backward_roots(outputs: tuple[Tensor, ...]) -> tuple[list[Tensor], list[Ten
     return roots, [torch.ones_like(t) for t in roots]
 
 
-def _split_backward(roots: list[Tensor], grads: list[Tensor], inputs: Tree) -> None:
+def input_gradient(roots: list[Tensor], grads: list[Tensor], inputs: Tree) -> None:
     """The backward of zero bubble: the input's gradient alone, then the weights'."""
     wanted = [t for t in tensors_of(inputs) if t.requires_grad]
     if wanted:
         torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
 
 
-def _weight_backward(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
+def weight_gradient(roots: list[Tensor], grads: list[Tensor], params: list[Tensor]) -> None:
     torch.autograd.backward(roots, grads, inputs=params)
 
 
@@ -194,17 +198,17 @@ def _profile_layer(
     run = 0
     while True:
         inputs = _fresh_input(value, needs_grad)
-        forward_s, output = _timed(device, layer, inputs)
+        forward_s, output = timed(device, layer, inputs)
         roots, grads = _backward_roots(tensors_of(output))
-        backward_s = _timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
+        backward_s = timed(device, torch.autograd.backward, roots, grads)[0] if roots else 0.0
         if split is not None:
             inputs = _fresh_input(value, needs_grad)
             roots, grads = _backward_roots(tensors_of(layer(inputs)))
             input_s = weight_s = 0.0
             if roots:
-                input_s = _timed(device, _split_backward, roots, grads, inputs)[0]
+                input_s = timed(device, input_gradient, roots, grads, inputs)[0]
             if roots and params:
-                weight_s = _timed(device, _weight_backward, roots, grads, params)[0]
+                weight_s = timed(device, weight_gradient, roots, grads, params)[0]
         run += 1
         if run > warmup:
             forward_times.append(forward_s)
@@ -325,11 +329,7 @@ def layer_output_bytes(
 
 
 def check_param_scale(param_scale: object) -> float:
-    if isinstance(param_scale, bool) or not isinstance(param_scale, numbers.Real):
-        raise TypeError(f"param_scale must be a number, got {type(param_scale).__name__}")
-    if not math.isfinite(param_scale) or param_scale < 0.0:
-        raise ValueError(f"param_scale must be finite and >= 0, got {param_scale}")
-    return float(param_scale)
+    return check_non_negative(param_scale, "param_scale")
 
 
 def layer_costs_by_size(

@@ -1,74 +1,24 @@
-"""The demo's cells timed alone, outside the pipe: what each kind of task computes."""
+"""The demo's cells timed alone, outside the pipe: each kind of task's cost, as the planner's."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 import gpipe_fast as gf
+from gpipe_fast.balancing.profile import input_gradient, timed, weight_gradient
+from gpipe_fast.device.host import intra_op_threads
 from gpipe_fast.nn.microbatch import scatter
-from gpipe_fast.runtime.timeline import Kind
+from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.schedule.registry import schedule_kind
 from gpipe_fast.skip import CellSkipTracker, SkipLayout, inspect_skip_layout, use_skip_tracker
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class AloneCosts:
-    """Seconds one cell takes on one micro-batch, timed alone outside the pipe (median)."""
-
-    forward: float  # without a graph: the forward of a checkpointed micro-batch
-    forward_grad: float  # building the graph: a forward not checkpointed, or a recompute
-    backward: float
-    # The split backward's halves (zero_bubble, zbv): the input's gradient, the weights'.
-    backward_input: float = 0.0
-    backward_weight: float = 0.0
-    loss: float = 0.0  # the loss and its gradient, on the last cell's output only
-
-    def of(self, kind: Kind, checkpointed: bool) -> float:
-        """What a task of this kind computes, on a micro-batch checkpointed or not (0 for a
-        kind that computes nothing of the cell: a send or a receive)."""
-        if kind == "forward":
-            return self.forward if checkpointed else self.forward_grad
-        if kind == "recompute":
-            return self.forward_grad
-        if kind in ("backward", "backward_input", "backward_weight", "loss"):
-            return float(getattr(self, kind))
-        return 0.0
-
-
-@contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    """This thread's intra-op threads set to `threads` (None: left as they are)."""
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _timer(device: torch.device) -> Callable[[], float]:
-    if device.type == "cuda":
-
-        def clock() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-
-        return clock
-    return time.perf_counter
 
 
 def time_cell_alone(
@@ -78,65 +28,65 @@ def time_cell_alone(
     threads: int | None,
     repeats: int = 5,
     split: bool = False,
-) -> AloneCosts:
+) -> StageCosts:
     """Times `cell` on `sample` (one micro-batch, on the cell's device) on this thread with
     `threads` intra-op threads, as the cell's worker runs it: the medians of `repeats` runs
     after one warm-up; with `split`, the backward's two halves too (the input's gradient,
     then the weights'). The backward accumulates into the cell's .grad; zero it afterwards."""
-    clock = _timer(sample.device)
+    device = sample.device
     params = [p for p in cell.parameters() if p.requires_grad]
     passes = ("forward", "forward_grad", "backward", "backward_input", "backward_weight")
     times: dict[str, list[float]] = {name: [] for name in passes}
     with intra_op_threads(threads):
         for _ in range(repeats + 1):
-            start = clock()
             with torch.no_grad():
-                cell(sample)
-            times["forward"].append(clock() - start)
+                times["forward"].append(timed(device, cell, sample)[0])
             leaf = sample.detach().requires_grad_(needs_input_grad or split)
-            start = clock()
             with torch.enable_grad():
-                output = cell(leaf)
-            times["forward_grad"].append(clock() - start)
+                seconds, output = timed(device, cell, leaf)
+            times["forward_grad"].append(seconds)
             grad = torch.ones_like(output)
-            start = clock()
             if split:
-                torch.autograd.grad(output, [leaf], grad, retain_graph=True)
-                times["backward_input"].append(clock() - start)
-                start = clock()
-                if params:
-                    torch.autograd.backward(output, grad, inputs=params)
-                times["backward_weight"].append(clock() - start)
+                halves = [output], [grad]
+                times["backward_input"].append(timed(device, input_gradient, *halves, leaf)[0])
+                weights = timed(device, weight_gradient, *halves, params)[0] if params else 0.0
+                times["backward_weight"].append(weights)
             else:
-                torch.autograd.backward(output, grad)
-                times["backward"].append(clock() - start)
+                times["backward"].append(timed(device, torch.autograd.backward, output, grad)[0])
     medians = {name: statistics.median(runs[1:]) for name, runs in times.items() if runs}
     if split:  # the whole backward, as the simulator prices an unsplit one
         medians["backward"] = medians["backward_input"] + medians["backward_weight"]
-    return AloneCosts(**medians)
+    return StageCosts(
+        forward=medians["forward_grad"],
+        forward_no_grad=medians["forward"],
+        backward=medians["backward"],
+        backward_input=medians.get("backward_input", 0.0),
+        backward_weight=medians.get("backward_weight", 0.0),
+    )
 
 
 def time_loss_alone(output: Tensor, target: Tensor, loss_fn: LossFn, repeats: int = 5) -> float:
     """Seconds of `loss_fn` on one micro-batch's output and its gradient (median)."""
-    clock = _timer(output.device)
     runs = []
     for _ in range(repeats + 1):
         leaf = output.detach().requires_grad_(True)
-        start = clock()
-        with torch.enable_grad():
-            loss_fn(leaf, target).backward()
-        runs.append(clock() - start)
+        runs.append(timed(output.device, _loss_and_gradient, loss_fn, leaf, target)[0])
     return statistics.median(runs[1:])
 
 
-def median_costs(runs: Sequence[AloneCosts]) -> AloneCosts:
-    """Each pass's median over several timings of one cell."""
-    return AloneCosts(
-        **{
-            field.name: statistics.median(getattr(r, field.name) for r in runs)
-            for field in dataclasses.fields(AloneCosts)
-        }
-    )
+def _loss_and_gradient(loss_fn: LossFn, output: Tensor, target: Tensor) -> None:
+    with torch.enable_grad():
+        loss_fn(output, target).backward()
+
+
+def median_costs(runs: Sequence[StageCosts]) -> StageCosts:
+    """Each pass's median over several timings of one cell (a pass none of them timed stays
+    unknown)."""
+    medians: dict[str, Any] = {}
+    for field in dataclasses.fields(StageCosts):
+        values = [getattr(r, field.name) for r in runs if getattr(r, field.name) is not None]
+        medians[field.name] = statistics.median(values) if values else None
+    return StageCosts(**medians)
 
 
 class _WithSkips(nn.Module):
@@ -157,7 +107,7 @@ def time_cells_alone(
     batch: Tensor,
     repeats: int = 5,
     loss: tuple[Tensor, LossFn] | None = None,
-) -> list[AloneCosts]:
+) -> list[StageCosts]:
     """Each cell of `pipe` timed alone on the first micro-batch of `batch` (its input, and the
     skips it pops, made by the cells before it), with the pipe's threads per cell, and with
     the backward split in halves when the pipe's schedule splits it; with `loss` (the batch's

@@ -24,6 +24,7 @@ from gpipe_fast.demo import processes
 from gpipe_fast.demo import report as report
 from gpipe_fast.demo.workload import Batch, cells_per_worker, workload
 from gpipe_fast.device.host import cpu_cores
+from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.schedule.registry import SCHEDULES, schedule_kind
 
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
@@ -237,12 +238,12 @@ def _plain_work(model: nn.Module, x: Tensor, y: Tensor) -> float:
         out = model(x)
     loss = alone.time_loss_alone(out, y.to(out.device), nn.functional.mse_loss, repeats=3)
     model.zero_grad(set_to_none=True)
-    return costs.forward_grad + costs.backward + loss
+    return costs.forward + costs.backward + loss
 
 
 def _time_alone(
     pipe: gf.GPipe, plain: nn.Module, x: Tensor, y: Tensor, rounds: int = 3
-) -> tuple[list[alone.AloneCosts], float]:
+) -> tuple[list[StageCosts], float]:
     """The cells and the plain model timed alone in alternating rounds (medians), so that the
     work they are compared on meets the same noise."""
     cells, plain_work = [], []

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import gpipe_fast as gf
 from gpipe_fast import _C
-from gpipe_fast.demo.alone import AloneCosts
-from gpipe_fast.schedule.registry import actions, recomputed
-
-Recomputed = set[tuple[int, int]]  # (cell, micro-batch) pairs
+from gpipe_fast.planning.predict import StageCosts
+from gpipe_fast.planning.predict import task_costs as priced
+from gpipe_fast.runtime.timeline import Phase
 
 
 @dataclass(frozen=True)
@@ -51,88 +50,28 @@ class WorkerBreakdown:
 # -- explaining -------------------------------------------------------------------------------
 
 
-def checkpointed(timeline: gf.Timeline) -> Recomputed:
-    """The (cell, micro-batch) pairs the step checkpointed: those with a recompute task."""
-    return {(s.cell, s.microbatch) for s in timeline.spans if s.kind == "recompute"}
-
-
-def _stage_workers(timeline: gf.Timeline) -> list[int]:
-    placement = {s.cell: s.row for s in timeline.spans}
-    return [placement.get(cell, cell) for cell in range(timeline.cells)]
-
-
-def _train_step_schedule(timeline: gf.Timeline) -> _C.Schedule:
-    """The train_step schedule of one process that the step ran: the checkpoint mode is the
-    one whose recomputes the spans show (ValueError when no mode's tasks are the spans')."""
-    workers = max(_stage_workers(timeline)) + 1
-    names = actions()
-    spans = [s for s in timeline.spans if s.phase == "step"]
-    for mode in ("never", "except_last", "always"):
-        schedule = _C.make_schedule(timeline.schedule, timeline.cells, workers,
-                                    timeline.microbatches, mode)  # fmt: skip
-        flags = recomputed(schedule)
-        again = {(k, m) for k, row in enumerate(flags) for m, flag in enumerate(row) if flag}
-        tasks = schedule.tasks
-        if again == checkpointed(timeline) and all(
-            s.task < len(tasks) and (names[tasks[s.task].action], tasks[s.task].stage,
-                                     tasks[s.task].microbatch) == (s.kind, s.cell, s.microbatch)
-            for s in spans
-        ):  # fmt: skip
-            return schedule
-    raise ValueError(
-        f"the timeline's tasks are not those of a one-process {timeline.schedule!r} step of "
-        f"{timeline.cells} cells and {timeline.microbatches} micro-batches"
-    )
-
-
-def schedules(timeline: gf.Timeline) -> dict[str, _C.Schedule]:
-    """The schedules the pipe ran, by phase (the spans' task ids index them): a train_step's,
-    or pipe(x)'s fill-drain forward and its backward."""
-    if any(s.phase == "step" for s in timeline.spans):
-        return {"step": _train_step_schedule(timeline)}
-    again = {m for _, m in checkpointed(timeline)}
-    flags = [m in again for m in range(timeline.microbatches)]
-    cells, count, workers = timeline.cells, timeline.microbatches, _stage_workers(timeline)
+def task_costs(timeline: gf.Timeline, costs: Sequence[StageCosts]) -> dict[Phase, list[float]]:
+    """Each task's cost, by phase, with the cells' `costs` timed alone: as the planner prices
+    a schedule's tasks, a checkpointed micro-batch's forward at its cost without a graph."""
+    again = timeline.checkpointed()
     return {
-        "forward": _C.gpipe_forward(cells, count, workers),
-        "backward": _C.gpipe_backward(cells, count, flags, workers),
+        phase: priced(schedule, costs, 0.0, again)
+        for phase, schedule in timeline.schedules().items()
     }
 
 
-def handoff_seconds(timeline: gf.Timeline) -> list[float]:
-    """Per worker, the time its tasks started after they could have: after the previous task
-    on the worker and the tasks they take inputs from had ended (the executor's hand-offs)."""
-    gaps = [0.0] * timeline.rows
-    for phase, schedule in schedules(timeline).items():
-        spans = {s.task: s for s in timeline.spans if s.phase == phase and s.kind != "copy"}
-        if not spans:
-            continue
-        phase_start = min(s.start_s for s in spans.values())
-        for worker in range(schedule.workers):
-            previous_end = phase_start
-            for task in schedule.order(worker):
-                span = spans[task]
-                ready = max(
-                    [previous_end] + [spans[dep].end_s for dep in schedule.tasks[task].deps]
-                )
-                gaps[worker] += max(0.0, span.start_s - ready)
-                previous_end = span.end_s
-    return gaps
-
-
 def breakdown(
-    timeline: gf.Timeline, alone: Sequence[AloneCosts], threads: int | None
+    timeline: gf.Timeline, alone: Sequence[StageCosts], threads: int | None
 ) -> list[WorkerBreakdown]:
     """Per worker: the step's makespan split into compute, recompute, overhead and idle."""
-    again = checkpointed(timeline)
-    handoffs = handoff_seconds(timeline)
+    prices = task_costs(timeline, alone)
+    handoffs = timeline.handoffs()
     workers = []
     for w in range(timeline.rows):
         spans = [s for s in timeline.spans if s.row == w and s.kind != "copy"]
-        busy = sum(s.duration_s for s in spans)
-        compute = sum(alone[s.cell].of(s.kind, (s.cell, s.microbatch) in again)
-                      for s in spans if s.kind != "recompute")  # fmt: skip
-        recompute = sum(alone[s.cell].of(s.kind, True) for s in spans if s.kind == "recompute")
+        busy = timeline.busy(w)
+        compute = sum(prices[s.phase][s.task] for s in spans if s.kind != "recompute")
+        recompute = sum(prices[s.phase][s.task] for s in spans if s.kind == "recompute")
         # Noise can make the alone timing exceed the spans: then the overhead is nil and the
         # compute is what the spans took, so the parts still add up to the makespan.
         scale = min(1.0, busy / (compute + recompute)) if compute + recompute > 0 else 0.0
@@ -152,18 +91,15 @@ def breakdown(
     return workers
 
 
-def simulated_bubble(timeline: gf.Timeline, alone: Sequence[AloneCosts]) -> float:
+def simulated_bubble(timeline: gf.Timeline, alone: Sequence[StageCosts]) -> float:
     """The bubble of the step's schedules with the cells' alone costs and no overhead: the
     schedule's own bubble plus what the cells' imbalance adds."""
-    again = checkpointed(timeline)
+    prices = task_costs(timeline, alone)
     makespan = busy = 0.0
-    names = actions()
-    for schedule in schedules(timeline).values():
-        costs = [alone[t.stage].of(names[t.action], (t.stage, t.microbatch) in again)
-                 for t in schedule.tasks]  # fmt: skip
-        makespan += _C.simulate(schedule, costs).makespan
-        busy += sum(costs)
-    workers = max(_stage_workers(timeline)) + 1
+    for phase, schedule in timeline.schedules().items():
+        makespan += _C.simulate(schedule, prices[phase]).makespan
+        busy += sum(prices[phase])
+    workers = max(timeline.stage_workers()) + 1
     return 1.0 - busy / (workers * makespan) if makespan > 0 else 0.0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +83,18 @@ def share_with_caller(threads: Threads, processes: int) -> Threads:
     _SHARED_THREADS = share
     return Threads(threads.per_cell, f"{threads.reason}; this process's own threads too "
                                      f"(torch.set_num_threads({share}))")  # fmt: skip
+
+
+@contextmanager
+def intra_op_threads(threads: int | None) -> Iterator[None]:
+    """This thread's intra-op threads set to `threads` (None: left as they are), restored on
+    exit."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

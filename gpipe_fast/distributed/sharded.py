@@ -36,6 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gpipe_fast.arguments import check_bool
+
 SYNCS = ("per_microbatch", "per_step")
 
 
@@ -65,9 +67,8 @@ def check_sharding(
     dp_shard: object, sync: object, reshard_after_forward: object, dp_group: Any
 ) -> None:
     """ValueError or TypeError naming the sharding argument that does not fit."""
-    for name, value in (("dp_shard", dp_shard), ("reshard_after_forward", reshard_after_forward)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    check_bool(dp_shard, "dp_shard")
+    check_bool(reshard_after_forward, "reshard_after_forward")
     if sync not in SYNCS:
         raise ValueError(
             f"dp_shard_sync must be one of {', '.join(map(repr, SYNCS))}, got {sync!r}"

@@ -155,7 +155,8 @@ class TiedGradients:
             if param is not None:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grad = _local(param.grad)  # a shard's own rows: the group's ranks hold the same
+                # A shard's own rows: the group's ranks hold the same.
+                grad = local_part(param.grad)
             requests.append(dist.all_reduce(grad, group=self.layout.pp_group, async_op=True))
         guard.wait(requests, "the tied parameters' gradients", group=self.layout.pp_group)
 
@@ -183,6 +184,6 @@ class TiedGradients:
         return [param for param, _, _ in self.shared if param is not None]
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_part(tensor: Tensor) -> Tensor:
     """This rank's part of a tensor: a shard's local rows (DTensor), or the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

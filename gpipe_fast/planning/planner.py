@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from gpipe_fast.arguments import check_int
@@ -22,7 +20,7 @@ from gpipe_fast.balancing.profile import (
     profile_layers,
     resolve_device,
 )
-from gpipe_fast.device.host import threads_per_cell
+from gpipe_fast.device.host import intra_op_threads, threads_per_cell
 from gpipe_fast.nn.microbatch import scatter
 from gpipe_fast.planning.activations import ActivationProfile, profile_activations
 from gpipe_fast.planning.memory import ParamFacts, param_facts
@@ -183,16 +181,3 @@ def plan_workers(schedule: str, cells: int, devices: object) -> int:
     except ValueError as error:
         raise ValueError(f"{argument}: {error}") from None
     return workers
-
-
-@contextmanager
-def intra_op_threads(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -5,10 +5,11 @@ task (measured by planning/overhead.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from gpipe_fast import _C
+from gpipe_fast.schedule.registry import recomputed
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class StageCosts:
     backward_input: float = 0.0  # the zero-bubble halves of `backward`
     backward_weight: float = 0.0
     loss: float = 0.0  # the last stage's loss
+    # The forward of a checkpointed micro-batch, which keeps no graph (None: as `forward`).
+    forward_no_grad: float | None = None
 
 
 @dataclass(frozen=True)
@@ -31,15 +34,34 @@ class Prediction:
     end: tuple[float, ...] = ()
 
 
-def task_costs(schedule: _C.Schedule, costs: Sequence[StageCosts], overhead: float) -> list[float]:
+def task_costs(
+    schedule: _C.Schedule,
+    costs: Sequence[StageCosts],
+    overhead: float,
+    checkpointed: Collection[tuple[int, int]] | None = None,
+) -> list[float]:
     """Each task's cost: its stage's cost of its action's cost class (the StageCosts field
     of that name: a recompute costs a forward; communication nothing), plus the runtime's
-    `overhead` per task."""
+    `overhead` per task. The forward of a checkpointed (stage, micro-batch) costs the
+    stage's forward_no_grad where given; `checkpointed`: those pairs, by default the ones
+    the schedule recomputes."""
     classes = [fact.cost for fact in _C.action_facts()]
+    forward = _C.actions().index("forward")
+    if all(c.forward_no_grad is None for c in costs):
+        checkpointed = ()
+    elif checkpointed is None:
+        flags = recomputed(schedule)
+        checkpointed = {(k, m) for k, row in enumerate(flags) for m, flag in enumerate(row) if flag}
     out = []
     for task in schedule.tasks:
         cost_class = classes[task.action]
-        cost = 0.0 if cost_class == "none" else getattr(costs[task.stage], cost_class)
+        stage = costs[task.stage]
+        if cost_class == "none":
+            cost = 0.0
+        elif task.action == forward and (task.stage, task.microbatch) in checkpointed:
+            cost = stage.forward if stage.forward_no_grad is None else stage.forward_no_grad
+        else:
+            cost = getattr(stage, cost_class)
         out.append(cost + overhead)
     return out
 

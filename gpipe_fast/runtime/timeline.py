@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 from gpipe_fast import _C
 from gpipe_fast.runtime import picture
-from gpipe_fast.schedule.registry import actions, communication_actions, ideal_bubble, schedule_kind
+from gpipe_fast.schedule.registry import (
+    actions,
+    communication_actions,
+    ideal_bubble,
+    recomputed,
+    schedule_kind,
+)
 
 # The runs of a step: pipe(x)'s forward, loss.backward()'s backward, or a train_step.
 Phase = Literal["forward", "backward", "step"]
@@ -226,8 +232,7 @@ class Timeline:
         stages_per_worker = schedule_kind(self.schedule).stages_per_worker
         if stages_per_worker == 0 or self.cells == stages_per_worker * workers:
             return ideal_bubble(self.schedule, self.cells, workers, microbatches)
-        placement = {s.cell: s.row for s in self.spans}
-        stage_workers = [placement.get(cell, cell) for cell in range(self.cells)]
+        stage_workers = self.stage_workers()
         runs = [
             _C.gpipe_forward(self.cells, microbatches, stage_workers),
             _C.gpipe_backward(self.cells, microbatches, [False] * microbatches, stage_workers),
@@ -235,6 +240,74 @@ class Timeline:
         costs = [_C.unit_costs(run) for run in runs]
         makespan = sum(_C.simulate(r, c).makespan for r, c in zip(runs, costs, strict=True))
         return 1.0 - sum(map(sum, costs)) / (workers * makespan)
+
+    # -- the schedules that ran ---------------------------------------------------------------
+
+    def stage_workers(self) -> list[int]:
+        """The worker of each cell, as the spans show it (the cell's own number where none
+        ran)."""
+        placement = {s.cell: s.row for s in self.spans}
+        return [placement.get(cell, cell) for cell in range(self.cells)]
+
+    def checkpointed(self) -> set[tuple[int, int]]:
+        """The (cell, micro-batch) pairs the step checkpointed: those with a recompute task."""
+        return {(s.cell, s.microbatch) for s in self.spans if s.kind == "recompute"}
+
+    def schedules(self) -> dict[Phase, Any]:
+        """The schedules the step ran, by phase (its spans' task ids index them): a
+        train_step's, or pipe(x)'s fill-drain forward and its backward. ValueError when the
+        spans are no one-process train_step's tasks."""
+        if any(s.phase == "step" for s in self.spans):
+            return {"step": self._train_step_schedule()}
+        again = {m for _, m in self.checkpointed()}
+        flags = [m in again for m in range(self.microbatches)]
+        cells, count, workers = self.cells, self.microbatches, self.stage_workers()
+        return {
+            "forward": _C.gpipe_forward(cells, count, workers),
+            "backward": _C.gpipe_backward(cells, count, flags, workers),
+        }
+
+    def _train_step_schedule(self) -> Any:
+        """The train_step schedule of one process that the step ran: the checkpoint mode is
+        the one whose recomputes the spans show and whose tasks are the spans'."""
+        workers = max(self.stage_workers()) + 1
+        names = actions()
+        spans = [s for s in self.spans if s.phase == "step"]
+        for mode in ("never", "except_last", "always"):
+            schedule = _C.make_schedule(self.schedule, self.cells, workers, self.microbatches,
+                                        mode)  # fmt: skip
+            flags = recomputed(schedule)
+            again = {(k, m) for k, row in enumerate(flags) for m, flag in enumerate(row) if flag}
+            tasks = schedule.tasks
+            if again == self.checkpointed() and all(
+                s.task < len(tasks) and (names[tasks[s.task].action], tasks[s.task].stage,
+                                         tasks[s.task].microbatch) == (s.kind, s.cell, s.microbatch)
+                for s in spans
+            ):  # fmt: skip
+                return schedule
+        raise ValueError(
+            f"the timeline's tasks are not those of a one-process {self.schedule!r} step of "
+            f"{self.cells} cells and {self.microbatches} micro-batches"
+        )
+
+    def handoffs(self) -> list[float]:
+        """Per worker, the seconds its tasks started after they could have: after the previous
+        task on the worker and the tasks they take inputs from had ended (the executor's
+        hand-offs, counted as idle by :meth:`bubble`)."""
+        gaps = [0.0] * self.rows
+        for phase, schedule in self.schedules().items():
+            spans = {s.task: s for s in self.spans if s.phase == phase and s.kind != "copy"}
+            if not spans:
+                continue
+            phase_start = min(s.start_s for s in spans.values())
+            for worker in range(schedule.workers):
+                previous_end = phase_start
+                for task in schedule.order(worker):
+                    span = spans[task]
+                    inputs = [spans[dep].end_s for dep in schedule.tasks[task].deps]
+                    gaps[worker] += max(0.0, span.start_s - max([previous_end, *inputs]))
+                    previous_end = span.end_s
+        return gaps
 
     # -- outputs -----------------------------------------------------------------------------
 

@@ -1,0 +1,136 @@
+"""A rank's share of a step across processes (rank_share): the batch agreed, split into
+micro-batches, and a rank that cannot run refusing the step without leaving its peers waiting.
+
+The process groups are a fake that records what the rank asks of them: rank_share's own
+logic is under test, the groups' collectives are tested across processes elsewhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpipe_fast.distributed.driver import rank_share
+from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.distributed.layout import ProcessLayout
+
+
+class FakeGroups:
+    """Agrees on `agreed` (or raises `fails`), recording each call of batch."""
+
+    def __init__(
+        self,
+        agreed: tuple[int, int] = (10, 10),
+        *,
+        rings: bool = False,
+        fails: BaseException | None = None,
+        unusable: BaseException | None = None,
+    ) -> None:
+        self.agreed, self.agrees_over_rings = agreed, rings
+        self.fails, self.unusable = fails, unusable
+        self.calls: list[tuple[int | None, bool, int | None]] = []
+
+    def check_usable(self) -> None:
+        if self.unusable is not None:
+            raise self.unusable
+
+    def batch(
+        self, local: int | None, refused: bool = False, chunks: int | None = None
+    ) -> tuple[int, int]:
+        self.calls.append((local, refused, chunks))
+        if self.fails is not None:
+            raise self.fails
+        return self.agreed
+
+
+def _layout(index: int) -> ProcessLayout:
+    """Rank `index` of a two-stage pipe over two processes."""
+    return ProcessLayout(None, None, (0, 1), index, 2, (0, 1))
+
+
+def _share(
+    index: int, groups: Any, *args: Any, reported: list[BaseException] | None = None, **kwargs: Any
+) -> tuple[Any, list[BaseException]]:
+    """Rank `index`'s share, and the errors it reported to its peers (into `reported`)."""
+    reported = [] if reported is None else reported
+    return rank_share(_layout(index), groups, reported.append, *args, **kwargs), reported
+
+
+def test_the_first_ranks_input_is_split_and_its_size_told() -> None:
+    x = torch.randn(10, 3)
+    groups = FakeGroups((10, 20))
+    share, reported = _share(0, groups, x, None, 4, needs_target=True)
+    assert groups.calls == [(10, False, None)]
+    assert (share.batch, share.total, share.count) == (10, 20, 4)
+    assert share.given[0] is x
+    assert [m.shape[0] for m in share.microbatches] == [3, 3, 2, 2]
+    assert torch.equal(torch.cat(share.microbatches), x)
+    assert share.targets == [None] * 4  # the target is the last cell's rank's
+    assert reported == []
+
+
+def test_the_last_ranks_target_is_split_as_the_agreed_batch() -> None:
+    y = torch.randn(10, 2)
+    groups = FakeGroups((10, 10), fails=None)
+    share, _ = _share(1, groups, None, y, 3, needs_target=True, same_count=True)
+    assert groups.calls == [(None, False, 3)]  # replicas must agree on the count
+    assert share.given == () and share.microbatches == []
+    assert torch.equal(torch.cat(share.targets), y)
+    with pytest.raises(ValueError, match=r"target has batch size 10 \(dim 0\) but input has 7"):
+        _share(1, FakeGroups((7, 7)), None, y, 3, needs_target=True)
+
+
+@pytest.mark.parametrize(
+    ("index", "input", "target", "message"),
+    [
+        (0, None, None, "input: rank 0 runs cell 0 and needs it"),
+        (1, None, None, "target: rank 1 runs the last cell and needs it"),
+    ],
+)
+def test_a_missing_argument_is_refused_after_telling_the_peers(
+    index: int, input: Any, target: Any, message: str
+) -> None:
+    # Over the process group the refusing rank still takes part in the agreement (refused),
+    # so that no peer starts the step; then it raises its own error, not its peers'.
+    groups = FakeGroups(fails=PeerFailure("a peer refused"))
+    with pytest.raises(ValueError, match=message):
+        _share(index, groups, input, target, 2, needs_target=True)
+    assert groups.calls == [(None, True, None)]
+    reported: list[BaseException] = []
+    with pytest.raises(ValueError, match=message):
+        _share(index, groups, input, target, 2, needs_target=True, reported=reported)
+    assert [str(e) for e in reported] == [message]
+
+
+def test_over_the_rings_a_refusal_is_raised_at_once() -> None:
+    # Its rings close instead: the peers' waits end without an agreement.
+    groups = FakeGroups(rings=True)
+    with pytest.raises(ValueError, match="input: rank 0"):
+        _share(0, groups, None, None, 2, needs_target=False)
+    assert groups.calls == []
+
+
+def test_a_rank_that_is_not_ready_refuses_the_step() -> None:
+    def not_ready() -> None:
+        raise RuntimeError("pipe is closed")
+
+    groups = FakeGroups()
+    with pytest.raises(RuntimeError, match="pipe is closed"):
+        _share(1, groups, None, None, 2, needs_target=False, ready=not_ready)
+    assert groups.calls == [(None, True, None)]
+
+
+def test_a_failed_agreement_is_reported_and_raised() -> None:
+    groups = FakeGroups(fails=PeerFailure("rank 1 refused"))
+    reported: list[BaseException] = []
+    with pytest.raises(PeerFailure, match="rank 1 refused"):
+        _share(0, groups, torch.randn(4, 3), None, 2, needs_target=False, reported=reported)
+    assert reported == [groups.fails]
+
+
+def test_a_step_after_a_failed_one_is_refused_before_anything() -> None:
+    groups = FakeGroups(unusable=PeerFailure("an earlier step failed"))
+    with pytest.raises(PeerFailure, match="an earlier step failed"):
+        _share(0, groups, torch.randn(4, 3), None, 2, needs_target=False)
+    assert groups.calls == []
