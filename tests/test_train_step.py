@@ -13,7 +13,7 @@ from torch import nn
 
 import gpipe_fast as gf
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+SCHEDULES = gf.builtin_schedules()
 MODES = ("never", "except_last", "always")
 
 
