@@ -11,7 +11,8 @@
 
 `train_step(x, target, loss_fn)` runs one schedule of every task instead (forward, loss,
 recompute, backward or its input and weight halves), in the order of its kind: "gpipe",
-"1f1b", "interleaved", "zero_bubble" or "zbv" (the registry: csrc/schedule/kinds.cpp).
+"1f1b", "interleaved", "zero_bubble", "zbv" (csrc/schedule/kinds.cpp) or one registered
+with gf.register_schedule_kind.
 """
 
 from __future__ import annotations
