@@ -17,8 +17,11 @@ from torch import nn
 
 import gpipe_fast as gf
 from gpipe_fast import _C
+from gpipe_fast.runtime.actions import BUILTIN
+from gpipe_fast.runtime.runner import receives
 from gpipe_fast.runtime.stage import Stage
-from gpipe_fast.schedule.registry import actions
+from gpipe_fast.schedule.registry import action_handler, actions
+from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
 
 _names = (f"from_python_test_{n}" for n in itertools.count())
 
@@ -282,3 +285,15 @@ def test_an_action_without_handler_names_itself_when_a_step_runs_it(make_pipe: A
             pipe.train_step(x, x, nn.functional.mse_loss)
     finally:
         gf.unregister_schedule_kind(kind)
+
+
+def test_the_runtime_reads_actions_by_their_facts_and_handlers() -> None:
+    # The runner posts the headers of the actions whose facts say they receive an activation
+    # or a gradient, and each built-in action's handler is the Stage method of its name.
+    facts = {fact.name: fact for fact in _C.action_facts()}
+    flows = receives()
+    assert flows == {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
+    assert all(facts[name].communication for name in flows)
+    assert actions()[: len(BUILTIN)] == list(BUILTIN)
+    for name in BUILTIN:
+        assert action_handler(name) is getattr(Stage, name)
