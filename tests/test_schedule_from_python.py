@@ -219,6 +219,8 @@ def test_bad_kind_registrations_are_refused_naming_the_kind(
         gf.register_schedule_kind(name, reversed_1f1b, placement="diagonal")
     with pytest.raises(ValueError, match=f"schedule '{name}': stages_per_worker must be >= 0"):
         gf.register_schedule_kind(name, reversed_1f1b, stages_per_worker=-1)
+    with pytest.raises(TypeError, match="stages_per_worker must be an int"):
+        gf.register_schedule_kind(name, reversed_1f1b, stages_per_worker=True)
     with pytest.raises(ValueError, match="schedule name 'Not Snake' must be"):
         gf.register_schedule_kind("Not Snake", reversed_1f1b)
     with pytest.raises(ValueError, match="'gpipe' is built in"):

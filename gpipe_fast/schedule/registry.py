@@ -52,15 +52,16 @@ def register_schedule_kind(
     `split_backward`: backward runs as backward_input then backward_weight. Every process of
     a pipe must register it. ValueError if `name` is taken."""
     if not isinstance(stages_per_worker, int) or isinstance(stages_per_worker, bool):
-        raise ValueError(f"stages_per_worker must be an int, got {stages_per_worker!r}")
+        raise TypeError(f"stages_per_worker must be an int, got {stages_per_worker!r}")
     _C.register_schedule_kind(
         name, generator, placement, stages_per_worker, bool(split_backward), summary
     )
 
 
 def unregister_schedule_kind(name: str) -> None:
-    """Removes a kind added by register_schedule_kind (ValueError for a built-in one); pipes
-    built with it keep their schedules."""
+    """Removes a kind added by register_schedule_kind (ValueError for a built-in one); a pipe
+    built with it keeps the schedules it has made, but can make no new one (another number
+    of micro-batches) once it is gone."""
     _C.unregister_schedule_kind(name)
 
 
