@@ -28,7 +28,6 @@ from torch import Tensor
 # train_lm.py (next to this file) holds the corpus, the learning-rate schedule, the process
 # setup and the DCP checkpoint helpers; importing it puts a built checkout on sys.path.
 from train_lm import (
-    SCHEDULES,
     Corpus,
     latest_checkpoint,
     load_checkpoint,
@@ -76,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--dp-shard", action="store_true",
                    help="shard each stage over the replicas (FSDP2), not replicate it")  # fmt: skip
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=gf.schedules(), default="1f1b")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per replica's batch")
     p.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: no clipping)")
     p.add_argument("--steps", type=int, default=200)

@@ -46,7 +46,6 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import gpipe_fast as gf  # noqa: E402
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
 
 
 # --- data -----------------------------------------------------------------------------------
@@ -237,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--dp-shard", action="store_true",
                    help="shard each stage over the replicas (FSDP2), not replicate it")  # fmt: skip
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    p.add_argument("--schedule", choices=gf.schedules(), default="1f1b")
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per replica's batch")
     p.add_argument("--bf16", action="store_true", help="torch.autocast bf16 around train_step")
     p.add_argument("--clip", type=float, default=1.0, help="max grad norm (0: no clipping)")

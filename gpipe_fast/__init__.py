@@ -32,6 +32,14 @@ from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
+from gpipe_fast.schedule.registry import (
+    Need,
+    builtin_schedules,
+    register_action,
+    register_schedule_kind,
+    schedules,
+    unregister_schedule_kind,
+)
 
 __all__ = [
     "CellMemory",
@@ -40,6 +48,7 @@ __all__ = [
     "GPipe",
     "GradScaler",
     "ModelPipe",
+    "Need",
     "PeerFailure",
     "Plan",
     "TaskSpan",
@@ -48,10 +57,15 @@ __all__ = [
     "balance_by_params",
     "balance_by_size",
     "balance_by_time",
+    "builtin_schedules",
     "is_checkpointing",
     "is_recomputing",
     "partition",
     "pipeline",
     "plan",
+    "register_action",
+    "register_schedule_kind",
+    "schedules",
+    "unregister_schedule_kind",
 ]
 __version__ = "0.1.0"

@@ -15,7 +15,9 @@ from dist_cases import cross_entropy, tied_model, tokens
 from torch import nn
 
 from gpipe_fast.distributed.held_gradients import summing_this_step_only
-from gpipe_fast.schedule.registry import SCHEDULES
+from gpipe_fast.schedule.registry import builtin_schedules
+
+SCHEDULES = builtin_schedules()
 
 STEPS: dict[str, Any] = {"accumulated": 3, "restarted": 2, "max_norm": 0.05}
 

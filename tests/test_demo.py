@@ -16,7 +16,9 @@ from gpipe_fast import _C
 from gpipe_fast.demo import report
 from gpipe_fast.demo.job import arguments, cells_per_worker, run_demo
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
-from gpipe_fast.schedule.registry import SCHEDULES, placement, schedule_kind
+from gpipe_fast.schedule.registry import builtin_schedules, placement, schedule_kind
+
+SCHEDULES = builtin_schedules()
 
 
 @pytest.fixture(scope="module")

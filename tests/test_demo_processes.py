@@ -18,7 +18,9 @@ from gpipe_fast.demo.job import arguments, cells_per_worker
 from gpipe_fast.demo.processes import bubble_of_own_tasks, communication_ms, merged_timeline
 from gpipe_fast.demo.workload import workload
 from gpipe_fast.runtime.timeline import TaskSpan
-from gpipe_fast.schedule.registry import SCHEDULES, placement
+from gpipe_fast.schedule.registry import builtin_schedules, placement
+
+SCHEDULES = builtin_schedules()
 
 
 def test_demo_across_two_processes(tmp_path: Path) -> None:

@@ -17,7 +17,9 @@ from gpipe_fast.demo import alone as alone
 from gpipe_fast.demo import report as report
 from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
-from gpipe_fast.schedule.registry import SCHEDULES, actions, ideal_bubble
+from gpipe_fast.schedule.registry import actions, builtin_schedules, ideal_bubble
+
+SCHEDULES = builtin_schedules()
 
 # Task ids follow _C.gpipe_forward(2, 2) and _C.gpipe_backward(2, 2, [True, False]):
 # forward 0: F(0,0), 1: F(0,1), 2: F(1,0) after 0, 3: F(1,1) after 1; backward (each cell

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.schedule.registry import SCHEDULES
 
 from helpers import mlp
 
+SCHEDULES = gf.builtin_schedules()
 MODES = ("never", "except_last", "always")
 _model = partial(mlp, width=5)  # Linear+Tanh layers (and Dropout when asked), float64
 

@@ -18,7 +18,7 @@ import gpipe_fast as gf
 from gpipe_fast import _C
 from gpipe_fast.skip import pop, skippable, stash
 
-KINDS = {kind.name: kind.stages_per_worker for kind in _C.schedule_kinds()}
+KINDS = {kind.name: kind.stages_per_worker for kind in _C.schedule_kinds() if not kind.registered}
 MODES = ("never", "except_last", "always")
 SEED = 5
 TOLERANCE = {"rtol": 1e-12, "atol": 1e-13}

@@ -13,7 +13,9 @@ import torch
 from cluster import Cluster, values
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved", "zbv")
+from gpipe_fast.schedule.registry import builtin_schedules
+
+SCHEDULES = builtin_schedules()
 Ties = tuple[tuple[int, int], ...]
 
 

@@ -28,7 +28,7 @@ from gpipe_fast.skip import pop, skippable, stash, verify_skippables
 
 from helpers import assert_same_run, pipe_run, reference_run
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv")
+SCHEDULES = gf.builtin_schedules()
 MODES = ("never", "except_last", "always")
 
 

@@ -1,5 +1,6 @@
 // Bindings for actions, schedule kinds, tasks, schedules, the generators, lowering, the dry run
 // and the simulator: conversions only, the logic is the core's.
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -57,6 +58,49 @@ Program from_python(const PyProgram& program) {
   return out;
 }
 
+// A Python callable held for native code: called and released under the GIL, from whatever
+// thread makes a schedule.
+std::shared_ptr<py::object> hold(py::object callable) {
+  return std::shared_ptr<py::object>(new py::object(std::move(callable)), [](py::object* held) {
+    py::gil_scoped_acquire gil;
+    delete held;
+  });
+}
+
+Generator python_generator(py::object generator) {
+  return [held = hold(std::move(generator))](int stages, int workers, int microbatches) {
+    py::gil_scoped_acquire gil;
+    const py::object out = (*held)(stages, workers, microbatches);
+    PyProgram program;
+    try {
+      program = out.cast<PyProgram>();
+    } catch (const py::cast_error&) {
+      throw InvalidArgument("its generator must return, per worker, a list of (action, stage, "
+                            "micro-batch); got " + std::string(py::repr(out)));
+    }
+    return from_python(program);
+  };
+}
+
+PlacementRule python_placement(const std::string& kind, py::object rule) {
+  if (py::isinstance<py::str>(rule)) {
+    const auto name = rule.cast<std::string>();
+    if (name == "round_robin") return round_robin;
+    if (name == "zigzag") return zigzag;
+    throw InvalidArgument("schedule '" + kind + "': placement must be 'round_robin', 'zigzag' "
+                          "or a callable (stage, stages, workers) -> worker, got '" + name + "'");
+  }
+  if (!PyCallable_Check(rule.ptr())) {
+    throw InvalidArgument("schedule '" + kind + "': placement must be 'round_robin', 'zigzag' "
+                          "or a callable (stage, stages, workers) -> worker, got " +
+                          std::string(py::repr(rule)));
+  }
+  return [held = hold(std::move(rule))](int stage, int stages, int workers) {
+    py::gil_scoped_acquire gil;
+    return (*held)(stage, stages, workers).cast<int>();
+  };
+}
+
 }  // namespace
 
 void bind_schedule(py::module_& m) {
@@ -77,6 +121,22 @@ void bind_schedule(py::module_& m) {
           "What its task costs: none | forward | backward | backward_input | backward_weight | "
           "loss (the StageCosts field the simulator prices it by).")
       .def_property_readonly("unit_cost", [](const ActionInfo& a) { return unit_cost(a.cost); })
+      .def_property_readonly(
+          "sends", [](const ActionInfo& a) { return std::string(message_name(a.wire.sends)); },
+          "The message a communication task sends: none | activation | skips | gradient | "
+          "skip_gradients | reduced_gradients.")
+      .def_property_readonly(
+          "receives",
+          [](const ActionInfo& a) { return std::string(message_name(a.wire.receives)); },
+          "The message a communication task receives (as sends).")
+      .def_property_readonly(
+          "produces",
+          [](const ActionInfo& a) { return std::string(message_name(a.wire.produces)); },
+          "The message a compute task makes for a neighbouring stage (lowering sends it).")
+      .def_property_readonly(
+          "consumes",
+          [](const ActionInfo& a) { return std::string(message_name(a.wire.consumes)); },
+          "The message a compute task takes from a neighbouring stage (received before it).")
       .def("__repr__", [](const ActionInfo& a) { return "Action('" + a.name + "')"; });
   m.def(
       "action_facts",
@@ -110,10 +170,38 @@ void bind_schedule(py::module_& m) {
       .def_readonly("split_backward", &ScheduleKind::split_backward,
                     "Backward runs as backward_input then backward_weight.")
       .def_readonly("summary", &ScheduleKind::summary)
+      .def_readonly("registered", &ScheduleKind::registered,
+                    "Added at run time (register_schedule_kind), not built in.")
       .def("__repr__", [](const ScheduleKind& k) { return "ScheduleKind('" + k.name + "')"; });
   m.def("schedule_kinds", &schedule_kinds, "Every schedule kind, in the registry's order.");
   m.def("schedule_kind", &schedule_kind, py::arg("name"),
         "The kind named `name`; ValueError listing the kinds otherwise.");
+  m.def(
+      "register_schedule_kind",
+      [](const std::string& name, py::object generator, py::object placement,
+         int stages_per_worker, bool split_backward, const std::string& summary) {
+        if (!PyCallable_Check(generator.ptr())) {
+          throw InvalidArgument("schedule '" + name + "': generator must be a callable "
+                                "(stages, workers, microbatches) -> program, got " +
+                                std::string(py::repr(generator)));
+        }
+        ScheduleKind kind;
+        kind.name = name;
+        kind.generate = python_generator(std::move(generator));
+        kind.placement = python_placement(name, std::move(placement));
+        kind.stages_per_worker = stages_per_worker;
+        kind.split_backward = split_backward;
+        kind.summary = summary;
+        register_schedule_kind(std::move(kind));
+      },
+      py::arg("name"), py::arg("generator"), py::arg("placement") = "round_robin",
+      py::arg("stages_per_worker") = 1, py::arg("split_backward") = false,
+      py::arg("summary") = "",
+      "Adds a schedule kind whose generator(stages, workers, microbatches) returns each "
+      "worker's list of (action, stage, micro-batch); its programs are validated as they are "
+      "made (ValueError naming the kind).");
+  m.def("unregister_schedule_kind", &unregister_schedule_kind, py::arg("name"),
+        "Removes a kind added by register_schedule_kind (ValueError for a built-in one).");
   m.def("placement", &placement, py::arg("kind"), py::arg("stages"), py::arg("workers"),
         "The worker of each stage under `kind`; ValueError when it cannot run them there.");
   m.def("ideal_bubble", &ideal_bubble, py::arg("kind"), py::arg("stages"), py::arg("workers"),

@@ -81,23 +81,32 @@ struct Registry {
 Registry& registry() {
   // Order = the ids in action.hpp.
   using C = CostClass;
+  using M = Message;
   static Registry r{{},
                     {
-                        {"forward", forward_needs, false, C::Forward},
-                        {"recompute", own_forward, false, C::Forward},
-                        {"backward", backward_needs, false, C::Backward},
-                        {"backward_input", backward_needs, false, C::BackwardInput},
-                        {"backward_weight", weight_needs, false, C::BackwardWeight},
-                        {"loss", own_forward, false, C::Loss},
-                        {"send_forward", own_forward, true, C::None},
-                        {"recv_forward", recv_forward_needs, true, C::None},
-                        {"send_backward", send_backward_needs, true, C::None},
-                        {"recv_backward", recv_backward_needs, true, C::None},
-                        {"reduce_grad", reduce_needs, true, C::None},
-                        {"send_skips", own_forward, true, C::None},
-                        {"recv_skips", no_needs, true, C::None},
-                        {"send_skip_grads", send_backward_needs, true, C::None},
-                        {"recv_skip_grads", no_needs, true, C::None},
+                        {"forward", forward_needs, false, C::Forward,
+                         {M::None, M::None, M::Activation, M::Activation}},
+                        {"recompute", own_forward, false, C::Forward, {}},
+                        {"backward", backward_needs, false, C::Backward,
+                         {M::None, M::None, M::Gradient, M::Gradient}},
+                        {"backward_input", backward_needs, false, C::BackwardInput,
+                         {M::None, M::None, M::Gradient, M::Gradient}},
+                        {"backward_weight", weight_needs, false, C::BackwardWeight, {}},
+                        {"loss", own_forward, false, C::Loss, {}},
+                        {"send_forward", own_forward, true, C::None, {M::Activation}},
+                        {"recv_forward", recv_forward_needs, true, C::None,
+                         {M::None, M::Activation}},
+                        {"send_backward", send_backward_needs, true, C::None, {M::Gradient}},
+                        {"recv_backward", recv_backward_needs, true, C::None,
+                         {M::None, M::Gradient}},
+                        {"reduce_grad", reduce_needs, true, C::None,
+                         {M::ReducedGradients, M::ReducedGradients}},
+                        {"send_skips", own_forward, true, C::None, {M::Skips}},
+                        {"recv_skips", no_needs, true, C::None, {M::None, M::Skips}},
+                        {"send_skip_grads", send_backward_needs, true, C::None,
+                         {M::SkipGradients}},
+                        {"recv_skip_grads", no_needs, true, C::None,
+                         {M::None, M::SkipGradients}},
                     }};
   return r;
 }
@@ -132,6 +141,27 @@ CostClass parse_cost_class(const std::string& name) {
   }
   throw InvalidArgument("cost must be 'none', 'forward', 'backward', 'backward_input', "
                         "'backward_weight' or 'loss', got '" + name + "'");
+}
+
+const char* message_name(Message message) {
+  switch (message) {
+    case Message::None: return "none";
+    case Message::Activation: return "activation";
+    case Message::Skips: return "skips";
+    case Message::Gradient: return "gradient";
+    case Message::SkipGradients: return "skip_gradients";
+    case Message::ReducedGradients: return "reduced_gradients";
+  }
+  return "none";
+}
+
+Message parse_message(const std::string& name) {
+  for (Message message : {Message::None, Message::Activation, Message::Skips, Message::Gradient,
+                          Message::SkipGradients, Message::ReducedGradients}) {
+    if (name == message_name(message)) return message;
+  }
+  throw InvalidArgument("message must be 'none', 'activation', 'skips', 'gradient', "
+                        "'skip_gradients' or 'reduced_gradients', got '" + name + "'");
 }
 
 double unit_cost(CostClass cost) {
@@ -193,16 +223,16 @@ std::vector<Need> needs_of(const std::vector<ResolvedNeed>& specs, const TaskKey
 }  // namespace
 
 ActionId register_action(const std::string& name, NeedsRule needs, bool communication,
-                         CostClass cost) {
+                         CostClass cost, Wire wire) {
   check_name(name);
   GF_EXPECTS(needs != nullptr, "action '" + name + "' needs a dependency rule");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  return add_locked(r, {name, std::move(needs), communication, cost});
+  return add_locked(r, {name, std::move(needs), communication, cost, wire});
 }
 
 ActionId register_action(const std::string& name, const std::vector<NeedSpec>& needs,
-                         bool communication, CostClass cost) {
+                         bool communication, CostClass cost, Wire wire) {
   check_name(name);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -231,7 +261,7 @@ ActionId register_action(const std::string& name, const std::vector<NeedSpec>& n
                                                      int microbatches) {
     return needs_of(resolved, task, stages, microbatches);
   };
-  return add_locked(r, {name, std::move(rule), communication, cost});
+  return add_locked(r, {name, std::move(rule), communication, cost, wire});
 }
 
 const ActionInfo& action_info(ActionId id) {
@@ -250,6 +280,22 @@ std::optional<ActionId> find_action(const std::string& name) {
   }
   return std::nullopt;
 }
+
+namespace {
+
+ActionId first_with(Message Wire::*field, Message message, const char* verb) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (std::size_t id = 0; id < r.actions.size(); ++id) {
+    if (r.actions[id].wire.*field == message) return static_cast<ActionId>(id);
+  }
+  throw InvalidArgument(std::string("no action ") + verb + " '" + message_name(message) + "'");
+}
+
+}  // namespace
+
+ActionId sender_of(Message message) { return first_with(&Wire::sends, message, "sends"); }
+ActionId receiver_of(Message message) { return first_with(&Wire::receives, message, "receives"); }
 
 int action_count() {
   Registry& r = registry();

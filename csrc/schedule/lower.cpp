@@ -12,7 +12,27 @@
 namespace gpipe_fast {
 namespace {
 
-using namespace action;
+// The actions that carry each message, from the registry's facts (action.hpp: Wire).
+struct Carriers {
+  ActionId send_activation = sender_of(Message::Activation);
+  ActionId recv_activation = receiver_of(Message::Activation);
+  ActionId send_skips = sender_of(Message::Skips);
+  ActionId recv_skips = receiver_of(Message::Skips);
+  ActionId send_gradient = sender_of(Message::Gradient);
+  ActionId recv_gradient = receiver_of(Message::Gradient);
+  ActionId send_skip_grads = sender_of(Message::SkipGradients);
+  ActionId recv_skip_grads = receiver_of(Message::SkipGradients);
+  ActionId reduce = receiver_of(Message::ReducedGradients);
+};
+
+const Wire& wire_of(ActionId action) { return action_info(action).wire; }
+
+// A task that adds to its stage's gradients: a reduction waits for the last of them.
+bool gradient_work(ActionId action) {
+  const CostClass cost = action_info(action).cost;
+  return cost == CostClass::Backward || cost == CostClass::BackwardInput ||
+         cost == CostClass::BackwardWeight;
+}
 
 // The order key of a communication task: when its data is ready, then which transfer it
 // is. A send and its receive get the same key on their two ranks.
@@ -27,13 +47,13 @@ enum Flow { ActivationFlow, SkipFlow, GradientFlow, SkipGradientFlow, ReduceFlow
 // rank's own schedule, which holds no such send, drops them).
 ExtraNeeds skip_matches(const SkipPairs& skips) {
   if (skips.empty()) return nullptr;
-  return [skips](const TaskKey& task) {
+  return [skips, c = Carriers{}](const TaskKey& task) {
     std::vector<Need> needs;
     for (const auto& [stash, pop] : skips) {
-      if (task.action == RecvSkips && task.stage == pop) {
-        needs.push_back(Need{{{SendSkips, stash, task.microbatch}}, false});
-      } else if (task.action == RecvSkipGrads && task.stage == stash) {
-        needs.push_back(Need{{{SendSkipGrads, pop, task.microbatch}}, false});
+      if (task.action == c.recv_skips && task.stage == pop) {
+        needs.push_back(Need{{{c.send_skips, stash, task.microbatch}}, false});
+      } else if (task.action == c.recv_skip_grads && task.stage == stash) {
+        needs.push_back(Need{{{c.send_skip_grads, pop, task.microbatch}}, false});
       }
     }
     return needs;
@@ -77,6 +97,7 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
   }
 
   const SimulatedTimeline timeline = simulate(plain, equal_stage_costs(plain));
+  const Carriers c;
 
   // Each rank's receives and reductions with their order keys; sends follow their producer
   // on its compute worker (a send is posted, never waited for, so it never stalls compute
@@ -99,45 +120,47 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     const int m = task.microbatch;
     const int here = rank_of_stage(s);
     auto& sends = send_after[{task.worker, position[id]}];
-    if (task.action == Forward && s + 1 < stages && rank_of_stage(s + 1) != here) {
-      sends.push_back({SendForward, s, m});
-      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({CommKey{at, ActivationFlow, s, m}, {RecvForward, s + 1, m}});
+    const Message produced = wire_of(task.action).produces;
+    const bool activation = produced == Message::Activation;
+    if (activation && s + 1 < stages && rank_of_stage(s + 1) != here) {
+      sends.push_back({c.send_activation, s, m});
+      comm[static_cast<std::size_t>(rank_of_stage(s + 1))].push_back({CommKey{at, ActivationFlow, s, m}, {c.recv_activation, s + 1, m}});
     }
-    if (task.action == Forward && pops_elsewhere.count(s) != 0) {
-      sends.push_back({SendSkips, s, m});
+    if (activation && pops_elsewhere.count(s) != 0) {
+      sends.push_back({c.send_skips, s, m});
       for (int pop : pops_elsewhere[s]) {
         double& ready = skips_ready[{pop, m}];
         ready = std::max(ready, at);
       }
     }
-    const bool gradient = task.action == Backward || task.action == BackwardInput;
+    const bool gradient = produced == Message::Gradient;
     if (gradient && s > 0 && rank_of_stage(s - 1) != here) {
-      sends.push_back({SendBackward, s, m});
-      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({CommKey{at, GradientFlow, s - 1, m}, {RecvBackward, s - 1, m}});
+      sends.push_back({c.send_gradient, s, m});
+      comm[static_cast<std::size_t>(rank_of_stage(s - 1))].push_back({CommKey{at, GradientFlow, s - 1, m}, {c.recv_gradient, s - 1, m}});
     }
     if (gradient && stashes_elsewhere.count(s) != 0) {
-      sends.push_back({SendSkipGrads, s, m});
+      sends.push_back({c.send_skip_grads, s, m});
       for (int stash : stashes_elsewhere[s]) {
         double& ready = skip_grads_ready[{stash, m}];
         ready = std::max(ready, at);
       }
     }
-    if (gradient || task.action == BackwardWeight) {
+    if (gradient_work(task.action)) {
       double& last = last_gradient[s];
       last = std::max(last, at);
     }
   }
   for (const auto& [key, at] : skips_ready) {
     const auto [s, m] = key;
-    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipFlow, s, m}, {RecvSkips, s, m}});
+    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipFlow, s, m}, {c.recv_skips, s, m}});
   }
   for (const auto& [key, at] : skip_grads_ready) {
     const auto [s, m] = key;
-    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipGradientFlow, s, m}, {RecvSkipGrads, s, m}});
+    comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, SkipGradientFlow, s, m}, {c.recv_skip_grads, s, m}});
   }
   if (reduce_grad) {
     for (const auto& [s, at] : last_gradient) {
-      comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, ReduceFlow, s, 0}, {ReduceGrad, s, 0}});
+      comm[static_cast<std::size_t>(rank_of_stage(s))].push_back({CommKey{at, ReduceFlow, s, 0}, {c.reduce, s, 0}});
     }
   }
 
@@ -150,7 +173,7 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
                                               " of " + std::to_string(ranks));
     inline_rank[static_cast<std::size_t>(rank)] = 1;
     for (const auto& [key, task] : comm[static_cast<std::size_t>(rank)]) {
-      if (task.action != ReduceGrad) inlined.insert({task.action, task.stage, task.microbatch});
+      if (task.action != c.reduce) inlined.insert({task.action, task.stage, task.microbatch});
     }
   }
   auto take = [&](std::vector<TaskKey>& out, TaskKey receive) {
@@ -163,12 +186,13 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     const auto& order = program[static_cast<std::size_t>(worker)];
     for (std::size_t i = 0; i < order.size(); ++i) {
       const TaskKey& task = order[i];
-      if (task.action == Forward) {
-        take(out, {RecvForward, task.stage, task.microbatch});
-        take(out, {RecvSkips, task.stage, task.microbatch});
-      } else if (task.action == Backward || task.action == BackwardInput) {
-        take(out, {RecvBackward, task.stage, task.microbatch});
-        take(out, {RecvSkipGrads, task.stage, task.microbatch});
+      const Message consumed = wire_of(task.action).consumes;
+      if (consumed == Message::Activation) {
+        take(out, {c.recv_activation, task.stage, task.microbatch});
+        take(out, {c.recv_skips, task.stage, task.microbatch});
+      } else if (consumed == Message::Gradient) {
+        take(out, {c.recv_gradient, task.stage, task.microbatch});
+        take(out, {c.recv_skip_grads, task.stage, task.microbatch});
       }
       out.push_back(task);
       const auto sends = send_after.find({worker, static_cast<int>(i)});
@@ -189,8 +213,9 @@ Lowered lower(const Program& program, int stages, int microbatches, std::vector<
     std::vector<TaskKey> activations;
     std::vector<TaskKey> gradients;
     for (const auto& [key, task] : tasks) {
-      if (inline_rank[static_cast<std::size_t>(rank)] && task.action != ReduceGrad) continue;
-      const bool forward = task.action == RecvForward || task.action == RecvSkips;
+      if (inline_rank[static_cast<std::size_t>(rank)] && task.action != c.reduce) continue;
+      const Message received = wire_of(task.action).receives;
+      const bool forward = received == Message::Activation || received == Message::Skips;
       (forward ? activations : gradients).push_back(task);
     }
     lowered.program.push_back(std::move(activations));

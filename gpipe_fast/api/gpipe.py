@@ -101,7 +101,8 @@ class GPipe(nn.Module):
     ``schedule`` orders the tasks of :meth:`train_step`: "gpipe" (fill-drain), "1f1b",
     "interleaved" (``len(balance)`` a multiple V of ``len(devices)``, cell s on
     ``devices[s % len(devices)]``, V cells per device's worker), "zero_bubble" (ZB-H1) or
-    "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``).
+    "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``), or a kind
+    registered with :func:`gpipe_fast.register_schedule_kind`.
     ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it

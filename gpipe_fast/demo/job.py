@@ -25,7 +25,7 @@ from gpipe_fast.demo import report as report
 from gpipe_fast.demo.workload import Batch, cells_per_worker, workload
 from gpipe_fast.device.host import cpu_cores
 from gpipe_fast.planning.predict import StageCosts
-from gpipe_fast.schedule.registry import SCHEDULES, schedule_kind
+from gpipe_fast.schedule.registry import schedule_kind, schedules
 
 _RECORDED_STEPS = 3  # steps recorded after training; the one of median makespan is reported
 
@@ -44,7 +44,7 @@ def _positive(text: str) -> int:
 
 
 def _schedule_help() -> str:
-    kinds = "; ".join(f"{name}: {schedule_kind(name).summary}" for name in SCHEDULES)
+    kinds = "; ".join(f"{name}: {schedule_kind(name).summary}" for name in schedules())
     return (
         f"the order of a training step's tasks, in one process and across processes (default "
         f"1f1b). {kinds}. The demo runs 2 cells per worker under interleaved and zbv"
@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         help="which micro-batches' activations are recomputed in the backward (default "
         "except_last)",
     )
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help=_schedule_help())
+    parser.add_argument("--schedule", choices=schedules(), default="1f1b", help=_schedule_help())
     parser.add_argument("--width", type=_positive, default=512, help="hidden width (default 512)")
     parser.add_argument("--depth", type=_positive, default=9, help="hidden layers (default 9)")
     parser.add_argument(

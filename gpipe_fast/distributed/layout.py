@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gpipe_fast.arguments import check_cuda_device
-from gpipe_fast.schedule.registry import SCHEDULES, placement, schedule_kind
+from gpipe_fast.schedule.registry import placement, schedule_kind, schedules
 
 
 def _ranks(group: Any) -> list[int]:
@@ -74,7 +74,7 @@ def make_layout(
     per_process = stages // len(ranks)
     per = schedule_kind(schedule).stages_per_worker
     if per and per_process != per:
-        fits = [k for k in SCHEDULES if schedule_kind(k).stages_per_worker in (0, per_process)]
+        fits = [k for k in schedules() if schedule_kind(k).stages_per_worker in (0, per_process)]
         raise ValueError(
             f"balance: {stages} cells on {len(ranks)} processes means {per_process} cells per "
             f"process, but schedule={schedule!r} runs {per}; give {per * len(ranks)} cells "

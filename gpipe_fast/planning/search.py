@@ -9,7 +9,7 @@ from gpipe_fast.balancing.balance import partition
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate, Choice
 from gpipe_fast.planning.plan import Plan, evaluate
 from gpipe_fast.planning.planner import Planner, micro_rows
-from gpipe_fast.schedule.registry import SCHEDULES
+from gpipe_fast.schedule.registry import schedules
 
 
 def chunk_counts(batch: int) -> list[int]:
@@ -22,7 +22,7 @@ def chunk_counts(batch: int) -> list[int]:
 def runnable_schedules(planner: Planner) -> list[str]:
     """The registered schedules that place the cells on the devices."""
     runnable = []
-    for schedule in SCHEDULES:
+    for schedule in schedules():
         try:
             planner.workers(schedule)
         except ValueError:

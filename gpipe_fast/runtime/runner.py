@@ -19,10 +19,16 @@ from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.runtime.step import Step
 from gpipe_fast.schedule.cache import ScheduleCache
+from gpipe_fast.schedule.registry import receiving_actions
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
 
-# The receive actions and the flow each fetches.
-RECEIVES: dict[str, Flow] = {"recv_forward": ACTIVATION, "recv_backward": GRADIENT}
+# The flow of each message a receive action fetches (its action's facts name the message).
+FLOWS: dict[str, Flow] = {"activation": ACTIVATION, "gradient": GRADIENT}
+
+
+def receives() -> dict[str, Flow]:
+    """The receive actions registered now and the flow each fetches."""
+    return {name: FLOWS[message] for name, message in receiving_actions().items()}
 
 
 class Runner:
@@ -143,11 +149,12 @@ class Runner:
         if step.first_input is not None:
             self.streams.cell_waits_caller(0, as_tensors(step.first_input, "input"))
         names = step.action_names
+        flows = receives()
         # Every receive's header, posted ahead across processes (nothing to do in one).
         step.context.transport.expect(
-            (RECEIVES[names[t.action]], t.stage, t.microbatch)
+            (flows[names[t.action]], t.stage, t.microbatch)
             for t in schedule.tasks
-            if names[t.action] in RECEIVES
+            if names[t.action] in flows
         )
         self.execute(schedule, step, "step")
         for device in {self.devices[k] for k, stage in enumerate(step.stages) if stage}:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from torch import Tensor
 
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.microbatch import Value
+from gpipe_fast.runtime import actions as _builtin_handlers  # noqa: F401  (registers them)
 from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import LossFn, StageServices, StepContext
 from gpipe_fast.runtime.stage import Stage
-from gpipe_fast.schedule.registry import actions
+from gpipe_fast.schedule.registry import action_handler, actions
 from gpipe_fast.transport.protocol import ACTIVATION, Transport
 
 __all__ = ["LossFn", "Step", "StepOwner", "annotate"]
@@ -37,7 +39,10 @@ def annotate(
 
 def _missing_action(name: str, stage: int) -> Callable[[int], None]:
     def run(microbatch: int) -> None:
-        raise NotImplementedError(f"stage {stage} has no method for action {name!r}")
+        raise NotImplementedError(
+            f"stage {stage} has no handler for action {name!r} "
+            "(register_action(..., handler=...) gives it one)"
+        )
 
     return run
 
@@ -49,13 +54,15 @@ SHARDED_ACTIONS = frozenset(
 
 
 def _method(stage: Stage | None, name: str, index: int) -> Callable[[int], None]:
-    """The stage's method for action `name` (an attribute that is not callable is none)."""
-    method = getattr(stage, name, None)
-    if not callable(method):
+    """The stage's task of action `name`: the action's registered handler bound to `stage`
+    (none, or a cell of another process: NotImplementedError when run)."""
+    handler = action_handler(name)
+    if handler is None or stage is None:
         return _missing_action(name, index)
-    if stage is not None and stage.sharded is not None and name in SHARDED_ACTIONS:
+    method: Callable[[int], None] = partial(handler, stage)
+    if stage.sharded is not None and name in SHARDED_ACTIONS:
         return stage.sharded_task(name, method)
-    return method  # type: ignore[no-any-return]
+    return method
 
 
 class StepOwner(Protocol):

@@ -309,3 +309,82 @@ TEST(actions_given_as_data_are_checked_and_none_is_half_added) {
   CHECK_THROWS(gpipe_fast::register_action("no_rule_test", nullptr), InvalidArgument);
   CHECK_EQ(gpipe_fast::action_count(), before);
 }
+
+// -- actions' wire facts and kinds registered at run time ---------------------------------------
+
+TEST(actions_name_what_they_send_and_receive) {
+  using gpipe_fast::Message;
+  CHECK_EQ(gpipe_fast::sender_of(Message::Activation), action::SendForward);
+  CHECK_EQ(gpipe_fast::receiver_of(Message::Activation), action::RecvForward);
+  CHECK_EQ(gpipe_fast::sender_of(Message::Gradient), action::SendBackward);
+  CHECK_EQ(gpipe_fast::receiver_of(Message::Gradient), action::RecvBackward);
+  CHECK_EQ(gpipe_fast::receiver_of(Message::Skips), action::RecvSkips);
+  CHECK_EQ(gpipe_fast::sender_of(Message::SkipGradients), action::SendSkipGrads);
+  CHECK_EQ(gpipe_fast::receiver_of(Message::ReducedGradients), action::ReduceGrad);
+  CHECK(gpipe_fast::action_info(action::Forward).wire.produces == Message::Activation);
+  CHECK(gpipe_fast::action_info(action::BackwardInput).wire.consumes == Message::Gradient);
+  CHECK(gpipe_fast::action_info(action::BackwardWeight).wire.produces == Message::None);
+  CHECK(gpipe_fast::parse_message("skip_gradients") == Message::SkipGradients);
+  CHECK(contains(message_of([] { gpipe_fast::parse_message("mail"); }), "message must be"));
+}
+
+namespace {
+
+// GPipe's program with its micro-batches taken last first.
+Program reversed_gpipe(int stages, int, int microbatches) {
+  Program program = gpipe_fast::gpipe_program(stages, microbatches);
+  for (auto& order : program) {
+    for (TaskKey& key : order) key.microbatch = microbatches - 1 - key.microbatch;
+  }
+  return program;
+}
+
+}  // namespace
+
+TEST(a_kind_registered_at_run_time_takes_the_native_path) {
+  gpipe_fast::ScheduleKind kind;
+  kind.name = "reversed_gpipe_test";
+  kind.generate = reversed_gpipe;
+  kind.placement = gpipe_fast::round_robin;
+  gpipe_fast::register_schedule_kind(kind);
+  CHECK(gpipe_fast::schedule_kind("reversed_gpipe_test").registered);
+  CHECK(!gpipe_fast::schedule_kind("gpipe").registered);
+  CHECK_THROWS(gpipe_fast::register_schedule_kind(kind), InvalidArgument);
+  gpipe_fast::make_schedule("reversed_gpipe_test", 3, 3, 4, Checkpoint::Always).validate();
+  CHECK_EQ(gpipe_fast::ideal_bubble("reversed_gpipe_test", 3, 3, 4),
+           gpipe_fast::ideal_bubble("gpipe", 3, 3, 4));
+  // Lowered onto two ranks like a built-in kind: stage 1's first receive is micro-batch 3's.
+  const auto lowered = gpipe_fast::lower_schedule("reversed_gpipe_test", 2, 2, 4,
+                                                  Checkpoint::Never, {0, 1}, false);
+  CHECK(lowered.program[4].front() == (TaskKey{action::RecvForward, 1, 3}));
+  for (int rank : {0, 1}) {
+    gpipe_fast::rank_forward_schedule("reversed_gpipe_test", 2, 2, 4, true, {0, 1}, rank)
+        .validate();
+  }
+  gpipe_fast::unregister_schedule_kind("reversed_gpipe_test");
+  CHECK_THROWS(gpipe_fast::schedule_kind("reversed_gpipe_test"), InvalidArgument);
+  CHECK(contains(message_of([] { gpipe_fast::unregister_schedule_kind("gpipe"); }),
+                 "built in"));
+}
+
+TEST(a_registered_kind_whose_program_is_invalid_is_named) {
+  gpipe_fast::ScheduleKind kind;
+  kind.name = "backward_first_test";
+  kind.generate = [](int stages, int, int microbatches) {
+    Program program = gpipe_fast::gpipe_program(stages, microbatches);
+    for (auto& order : program) std::reverse(order.begin(), order.end());
+    return program;
+  };
+  kind.placement = gpipe_fast::round_robin;
+  gpipe_fast::register_schedule_kind(kind);
+  const std::string message = message_of(
+      [] { gpipe_fast::make_schedule("backward_first_test", 2, 2, 2, Checkpoint::Never); });
+  gpipe_fast::unregister_schedule_kind("backward_first_test");
+  CHECK(contains(message, "schedule 'backward_first_test' generated an invalid program"));
+  gpipe_fast::ScheduleKind nameless = kind;
+  nameless.name = "";
+  CHECK_THROWS(gpipe_fast::register_schedule_kind(nameless), InvalidArgument);
+  gpipe_fast::ScheduleKind no_generator = kind;
+  no_generator.generate = nullptr;
+  CHECK_THROWS(gpipe_fast::register_schedule_kind(no_generator), InvalidArgument);
+}

@@ -66,19 +66,41 @@ const char* cost_class_name(CostClass cost);
 CostClass parse_cost_class(const std::string& name);  // InvalidArgument naming `cost`
 double unit_cost(CostClass cost);
 
+// What travels between processes: a stage's output (and the skips its forward stashes for
+// later stages), the gradients going back, and a stage's gradients summed over data
+// parallelism.
+enum class Message { None, Activation, Skips, Gradient, SkipGradients, ReducedGradients };
+
+// "none" | "activation" | "skips" | "gradient" | "skip_gradients" | "reduced_gradients".
+const char* message_name(Message message);
+Message parse_message(const std::string& name);  // InvalidArgument naming the message
+
+// What an action's tasks exchange with other processes: lowering reads these facts, not
+// action ids, to place sends and receives. A communication action `sends` or `receives` a
+// message; a compute action `produces` a message for a neighbouring stage (a send of it
+// follows the task when that stage runs elsewhere) and `consumes` one (its receive comes
+// first). An Activation travels with its Skips, a Gradient with its SkipGradients.
+struct Wire {
+  Message sends = Message::None;
+  Message receives = Message::None;
+  Message produces = Message::None;
+  Message consumes = Message::None;
+};
+
 struct ActionInfo {
-  std::string name;  // snake_case; Python dispatches on it (Stage.<name>)
+  std::string name;  // snake_case; Python dispatches on it (its handler, by name)
   NeedsRule needs;
   // Communication (send, recv, reduce) runs on a process's communication worker, not on
   // its stage's compute worker, so that it overlaps with compute.
   bool communication = false;
   CostClass cost = CostClass::None;
+  Wire wire;
 };
 
 // Adds an action and returns its id; InvalidArgument if the name is taken, empty or not
 // snake_case ([a-z][a-z0-9_]*: Python looks the stage's method up by it).
 ActionId register_action(const std::string& name, NeedsRule needs, bool communication = false,
-                         CostClass cost = CostClass::None);
+                         CostClass cost = CostClass::None, Wire wire = {});
 const ActionInfo& action_info(ActionId id);  // InvalidArgument for an unknown id
 std::optional<ActionId> find_action(const std::string& name);
 int action_count();
@@ -99,7 +121,12 @@ struct NeedSpec {
 // Adds an action whose rule is `needs`; InvalidArgument as above, or for a need naming no
 // action, an unknown action, or an offset beyond +-(1 << 20).
 ActionId register_action(const std::string& name, const std::vector<NeedSpec>& needs,
-                         bool communication = false, CostClass cost = CostClass::None);
+                         bool communication = false, CostClass cost = CostClass::None,
+                         Wire wire = {});
+
+// The first action registered that sends (receives) `message`; InvalidArgument if none does.
+ActionId sender_of(Message message);
+ActionId receiver_of(Message message);
 
 // "forward(stage 1, micro-batch 3)".
 std::string describe(const TaskKey& task);

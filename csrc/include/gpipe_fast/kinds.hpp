@@ -1,6 +1,7 @@
 // The registry of schedule kinds: each kind's generator, stage placement and facts, by name.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -11,9 +12,9 @@ namespace gpipe_fast {
 
 // The program of a training step of `stages` stages on `workers` workers, without
 // recomputes (make_program adds them).
-using Generator = Program (*)(int stages, int workers, int microbatches);
+using Generator = std::function<Program(int stages, int workers, int microbatches)>;
 // The worker of `stage` when `stages` stages share `workers` workers.
-using PlacementRule = int (*)(int stage, int stages, int workers);
+using PlacementRule = std::function<int(int stage, int stages, int workers)>;
 
 // Stage s on worker s mod W: one stage each when stages == workers, else V rounds.
 int round_robin(int stage, int stages, int workers);
@@ -22,7 +23,8 @@ int round_robin(int stage, int stages, int workers);
 int zigzag(int stage, int stages, int workers);
 
 // Everything the rest of the runtime (and Python) knows about a schedule kind. Adding a
-// schedule is a generator and one entry in the table of kinds.cpp.
+// schedule is a generator and a register_schedule_kind call (the built-in ones: an entry in
+// the table of kinds.cpp; from Python: gpipe_fast.register_schedule_kind).
 struct ScheduleKind {
   std::string name;
   Generator generate;
@@ -30,12 +32,22 @@ struct ScheduleKind {
   int stages_per_worker = 1;  // 0: any number V >= 1 (stages a multiple of the workers)
   bool split_backward = false;  // backward as BackwardInput then BackwardWeight
   std::string summary;
+  // Registered at run time (not one of kinds.cpp's): its programs are validated as they are
+  // made, naming the kind, and it may be unregistered.
+  bool registered = false;
 };
 
-// Every kind, in the registry's order.
-const std::vector<ScheduleKind>& schedule_kinds();
+// Every kind, in the registry's order (copies: kinds may be added meanwhile).
+std::vector<ScheduleKind> schedule_kinds();
 // The kind named `name`; InvalidArgument ("schedule must be one of ...") otherwise.
-const ScheduleKind& schedule_kind(const std::string& name);
+ScheduleKind schedule_kind(const std::string& name);
+
+// Adds `kind` (its `registered` set); InvalidArgument naming it if its name is taken, empty
+// or not [a-z0-9_]+, its generator or placement is missing, or stages_per_worker < 0.
+void register_schedule_kind(ScheduleKind kind);
+// Removes a kind added by register_schedule_kind; InvalidArgument for a built-in or unknown
+// one.
+void unregister_schedule_kind(const std::string& name);
 
 // InvalidArgument naming the rule unless `kind` runs `stages` stages on `workers` workers.
 void check_layout(const ScheduleKind& kind, int stages, int workers);
