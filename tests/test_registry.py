@@ -220,3 +220,15 @@ def test_bad_registrations_are_refused_and_add_nothing(
     with pytest.raises(ValueError, match="already registered"):
         schedules.register_action("forward", [Need([("forward", 0)])])
     assert len(schedules.actions()) == count
+
+
+def test_one_way_actions_come_from_the_wire_facts() -> None:
+    from gpipe_fast.schedule.registry import one_way_actions
+
+    sends, receives = one_way_actions("send"), one_way_actions("receive")
+    assert {"send_forward", "send_backward", "send_skips", "send_skip_grads"} <= sends
+    assert {"recv_forward", "recv_backward", "recv_skips", "recv_skip_grads"} <= receives
+    # A reduction both sends and receives; compute neither.
+    assert not {"reduce_grad", "forward", "backward_weight"} & (sends | receives)
+    with pytest.raises(ValueError, match="direction must be 'send' or 'receive'"):
+        one_way_actions("both")

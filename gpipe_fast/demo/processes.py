@@ -25,7 +25,7 @@ from gpipe_fast import _C
 from gpipe_fast.demo import report
 from gpipe_fast.demo.workload import cells_per_worker, workload
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
-from gpipe_fast.schedule.registry import actions, communication_actions
+from gpipe_fast.schedule.registry import actions, communication_actions, one_way_actions
 
 # Each process's workers: its compute worker (which also posts the sends, and takes its
 # messages itself over shared memory) and the workers receiving activations and gradients
@@ -203,8 +203,9 @@ def communication_ms(timeline: Timeline, rank: int) -> tuple[float, float]:
     """(posting sends, receiving with the wait for the data) of one rank's workers, in ms."""
     rows = rank_rows(timeline, rank)
     spans = [s for s in timeline.spans if s.row in rows]
-    sends = sum(s.duration_s for s in spans if s.kind.startswith("send"))
-    receives = sum(s.duration_s for s in spans if s.kind.startswith("recv"))
+    sending, receiving = one_way_actions("send"), one_way_actions("receive")
+    sends = sum(s.duration_s for s in spans if s.kind in sending)
+    receives = sum(s.duration_s for s in spans if s.kind in receiving)
     return sends * 1e3, receives * 1e3
 
 

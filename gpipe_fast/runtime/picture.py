@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from gpipe_fast.schedule.registry import one_way_actions
+
 Group = Literal["compute", "communication", "idle"]
 GROUPS: tuple[Group, ...] = ("compute", "communication", "idle")
 
@@ -107,7 +109,7 @@ def style(action: str) -> Style:
     found = STYLES.get(action)
     if found is not None:
         return found
-    if action.startswith("recv"):
+    if action in one_way_actions("receive"):
         return Style(action[:2], action.replace("_", " "), "idle", _WAIT, hatched=True)
     return Style(action[:1].upper(), action.replace("_", " "), "compute", "#937860")
 

@@ -14,6 +14,7 @@ from gpipe_fast.schedule.registry import (
     actions,
     communication_actions,
     ideal_bubble,
+    one_way_actions,
     recomputed,
     schedule_kind,
 )
@@ -194,9 +195,8 @@ class Timeline:
     def working(self, worker: int) -> float:
         """Seconds `worker` spent in tasks other than receives: a receive mostly waits for
         its data (on a compute worker that takes its messages itself, that wait is idle)."""
-        receives = sum(
-            s.duration_s for s in self.spans if s.row == worker and s.kind.startswith("recv")
-        )
+        waits = one_way_actions("receive")
+        receives = sum(s.duration_s for s in self.spans if s.row == worker and s.kind in waits)
         return self.busy(worker) - receives
 
     def compute_rows(self) -> list[int]:

@@ -154,3 +154,14 @@ def receiving_actions() -> dict[str, str]:
         for fact in _C.action_facts()
         if fact.receives in ("activation", "gradient")
     }
+
+
+def one_way_actions(direction: str) -> frozenset[str]:
+    """The actions that only send ("send") or only receive ("receive") a message between
+    processes, as registered now (a reduction does both, and is neither)."""
+    facts = _C.action_facts()
+    if direction == "send":
+        return frozenset(f.name for f in facts if f.sends != "none" and f.receives == "none")
+    if direction == "receive":
+        return frozenset(f.name for f in facts if f.receives != "none" and f.sends == "none")
+    raise ValueError(f"direction must be 'send' or 'receive', got {direction!r}")
