@@ -86,7 +86,7 @@ class ModelPipe(GPipe):
         self._first_stage.present = present  # the stage maps the tuple to these names
         return tuple(given[name] for name in present)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs and not args:
             inputs: Any = kwargs
         elif args and not kwargs:
@@ -98,10 +98,10 @@ class ModelPipe(GPipe):
                             "arguments, as example_inputs gave them")  # fmt: skip
         return super().forward(self._as_input(inputs))  # type: ignore[arg-type]
 
-    def train_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:  # type: ignore[override]
+    def train_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
         return super().train_step(self._as_input(input), target, loss_fn, **kwargs)  # type: ignore[arg-type]
 
-    def eval_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:  # type: ignore[override]
+    def eval_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
         return super().eval_step(self._as_input(input), target, loss_fn, **kwargs)
 
 

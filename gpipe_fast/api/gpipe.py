@@ -408,14 +408,14 @@ class GPipe(nn.Module):
         if self._pipeline is not None:
             self._pipeline.step_timeout = self._step_timeout
 
-    def forward(self, input: Value) -> Tree:  # type: ignore[override]
+    def forward(self, input: Value) -> Tree:
         if self._pipeline is None:  # no cells: the identity, for Tensors only
             as_tensors(input, "input")
             return input
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
             # Checked at the step's start on every rank (see _check_initialised).
             forward = StepRequest("forward", self.chunks)
-            return run_step(self._pipeline, forward, input, None)  # type: ignore[no-any-return]
+            return run_step(self._pipeline, forward, input, None)
         self._unfilled.check()
         return autograd_call(self._pipeline, input, self.chunks, self.checkpoint, self.training)
 
@@ -617,7 +617,7 @@ class GPipe(nn.Module):
     def __len__(self) -> int:
         return sum(len(cell) for cell in self._cells())
 
-    def __iter__(self) -> Iterator[nn.Module]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[nn.Module]:
         for cell in self._cells():
             yield from cell
 
@@ -655,13 +655,13 @@ class GPipe(nn.Module):
     def to_empty(self, *, device: Device | None, recurse: bool = True) -> NoReturn:
         _deny_moving("to_empty()")
 
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
         """Casts (``to(torch.float64)``, ``to(dtype=...)``, ``to(memory_format=...)``); a
         device or a tensor to move to raises TypeError."""
         move = _move_in_to(args, kwargs)
         if move is not None:
             _deny_moving(move)
-        return cast(GPipe, super().to(*args, **kwargs))
+        return super().to(*args, **kwargs)
 
     def extra_repr(self) -> str:
         devices = [str(d) for d in self.devices]

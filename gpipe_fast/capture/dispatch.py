@@ -41,7 +41,7 @@ def install(modules: Iterable[nn.Module]) -> list[nn.Module]:
     added = []
     for module in modules:
         if not isinstance(module.__dict__.get("forward"), AtomForward):
-            module.forward = AtomForward(module, module.forward)  # type: ignore[method-assign]
+            module.forward = AtomForward(module, module.forward)
             added.append(module)
     return added
 

@@ -25,14 +25,14 @@ class Enter(torch.autograd.Function):
     thread (its only incoming gradient is a zero-size CPU tensor)."""
 
     @staticmethod
-    def forward(ctx: Any, runner: Runner, step: Step, phony: Tensor, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, runner: Runner, step: Step, phony: Tensor, *inputs: Tensor) -> Tensor:
         ctx.runner = runner
         ctx.step = step
         ctx.input_meta = [(t.device, t.dtype) for t in inputs]
         return torch.empty(0)  # the phony: carries no data, only the edge to Exit
 
     @staticmethod
-    def backward(ctx: Any, _grad: Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, _grad: Tensor) -> Any:
         step: Step = ctx.step
         microbatch_grads = ctx.runner.backward(step, step.exit_grads)
         ctx.step = ctx.runner = step.exit_grads = None
@@ -53,7 +53,7 @@ class Exit(torch.autograd.Function):
     gradient to the step and returns, so it never blocks an autograd device thread."""
 
     @staticmethod
-    def forward(ctx: Any, step: Step, phony: Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, step: Step, phony: Tensor) -> Any:
         outputs, step.gathered = step.gathered, ()
         ctx.step = step
         # Each micro-batch's size: that of its first tensor (gather checked they agree).
@@ -63,7 +63,7 @@ class Exit(torch.autograd.Function):
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor) -> Any:
         step: Step = ctx.step
         step.check_backward_once()
         split = [

@@ -169,10 +169,10 @@ class Cell:
         module = self.module
         if boundaries is None:
             if module._forward_hooks or module._forward_pre_hooks or _global_hooks():
-                return module(value)  # type: ignore[no-any-return]
+                return module(value)
             # No hook on the cell itself (its layers' hooks run as ever): skip __call__'s
             # frames, a few microseconds on every task.
-            return module.forward(value)  # type: ignore[no-any-return]
+            return module.forward(value)
         for layer in self.module:
             # A layer gets what the one before returned as one argument, as nn.Sequential
             # passes it (a tuple or a dict is not unpacked).

@@ -125,7 +125,7 @@ class Runner:
         if not step.track:
             last.outputs = [None] * step.count
         self.streams.join_caller(self.devices[-1])
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     def backward(self, step: Step, grads: list[tuple[Tensor | None, ...]]) -> list[Any]:
         """The fill-drain backward of loss.backward(); the input's gradient per micro-batch."""

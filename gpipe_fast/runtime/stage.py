@@ -33,7 +33,7 @@ def _engine_grad(
     roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
 ) -> tuple[Tensor | None, ...]:
     """torch.autograd.grad(allow_unused=True) straight into the engine, as above."""
-    return _run_engine(tuple(roots), tuple(grads), retain, False, tuple(inputs), True, False)  # type: ignore[no-any-return]
+    return _run_engine(tuple(roots), tuple(grads), retain, False, tuple(inputs), True, False)
 
 
 def _public_grad(
@@ -43,7 +43,7 @@ def _public_grad(
 
 
 try:
-    _run_engine = torch.autograd.Variable._execution_engine.run_backward  # type: ignore[attr-defined]
+    _run_engine = torch.autograd.Variable._execution_engine.run_backward
 except AttributeError:  # pragma: no cover - a torch without the engine handle
     run_backward, run_grad = _public_backward, _public_grad
 else:

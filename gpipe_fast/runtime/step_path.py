@@ -68,7 +68,7 @@ def run_step(pipeline: Pipeline, request: StepRequest, input: Value | None, targ
     local = side.run(this_process, backward=train)
     if loss_fn is None:
         last = step.stages[-1]
-        return None if last is None else gather(last.outputs)  # type: ignore[arg-type]
+        return None if last is None else gather(last.outputs)
     loss = side.loss(local)
     if train and share.given:
         accumulate_input_grads(share.given, step.input_needs_grad, step.context.input_grads)

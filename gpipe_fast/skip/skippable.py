@@ -58,7 +58,7 @@ class Skippable(nn.Module):
         own = cls.__dict__.get("forward")
         if own is not None and own is not _skippable_forward:
             cls._skippable_body = own
-            cls.forward = _skippable_forward  # type: ignore[method-assign]
+            cls.forward = _skippable_forward
 
     @property
     def namespaces(self) -> dict[str, Namespace]:
@@ -244,7 +244,7 @@ def skippable(
         def __repr__(self: Any) -> str:
             return f"@skippable({super(decorated, self).__repr__()})"
 
-        decorated.__repr__ = __repr__  # type: ignore[method-assign,assignment]
+        decorated.__repr__ = __repr__  # type: ignore[method-assign]
         return decorated
 
     return decorate

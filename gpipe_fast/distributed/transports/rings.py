@@ -7,8 +7,9 @@ import torch
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.shm_links import ShmLinks, TransportChoice, connect
+from gpipe_fast.distributed.shm_links import ShmLinks, connect
 from gpipe_fast.distributed.transports import wire
+from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.distributed.transports.medium import Opened, Posted
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Flow, Payload
