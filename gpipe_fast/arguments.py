@@ -35,12 +35,12 @@ def check_non_negative(value: object, name: str, kind: str = "a number", unit: s
 
 
 def check_cost(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    cost = float(value)
-    if not math.isfinite(cost) or cost < 0.0:
-        raise ValueError(f"{name} = {cost}: costs must be finite and non-negative")
-    return cost
+    """A layer's cost: check_non_negative, its ValueError naming the cost's value."""
+    try:
+        return check_non_negative(value, name)
+    except ValueError:
+        cost = float(value)  # type: ignore[arg-type]  # a real number, found above
+        raise ValueError(f"{name} = {cost}: costs must be finite and non-negative") from None
 
 
 def check_costs(costs: object, name: str) -> list[float]:
