@@ -14,6 +14,7 @@ import gpu_largest_model
 import gpu_peak_memory
 import gpu_recompute_pool
 import gpu_step_overhead
+import gpu_transformers
 
 SCRIPTS = {
     script.NAME: script
@@ -23,6 +24,7 @@ SCRIPTS = {
         gpu_peak_memory,
         gpu_largest_model,
         gpu_recompute_pool,
+        gpu_transformers,
     )
 }
 # No measurement starts after this many seconds, so the session's device time (30 minutes,

@@ -28,6 +28,7 @@ import gpu_largest_model
 import gpu_peak_memory
 import gpu_recompute_pool
 import gpu_step_overhead
+import gpu_transformers
 import reporting
 
 # -- medians and ratios -------------------------------------------------------------------------
@@ -248,12 +249,25 @@ def _check_recompute_pool(section: dict[str, Any]) -> None:
         assert len(section["results"]) == 2 * 3 * len(gpu_peak_memory.SCALES["smoke"].cells)
 
 
+def _check_transformers(section: dict[str, Any]) -> None:
+    exact = section["exactness"]
+    assert exact["loss_relative_difference"] < 1e-12
+    assert exact["max_relative_grad_difference"] < 1e-12
+    contenders = section["contenders"]
+    assert {"plain", "gf.pipeline 1f1b", "plain, compiled blocks"} <= set(contenders)
+    compiled = contenders["plain, compiled blocks"]
+    # Each block compiled once, and run compiled in every later step of the plain model.
+    assert compiled["graphs_compiled"] >= 1
+    assert compiled["compiled_runs_per_step"] == gpu_transformers.SCALES["smoke"].layers
+
+
 SCRIPTS: dict[ModuleType, Callable[[dict[str, Any]], None]] = {
     gpu_step_overhead: _check_step_overhead,
     gpu_copy_bandwidth: _check_copy_bandwidth,
     gpu_peak_memory: _check_peak_memory,
     gpu_largest_model: _check_largest_model,
     gpu_recompute_pool: _check_recompute_pool,
+    gpu_transformers: _check_transformers,
 }
 
 
