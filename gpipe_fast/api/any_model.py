@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from gpipe_fast.api import optim_state
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plans import Plans
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
 from gpipe_fast.capture.stage import stage_cells
 from gpipe_fast.schedule.registry import schedule_kind
@@ -31,28 +31,71 @@ class ModelPipe(GPipe):
     inputs' labels: ``loss_fn=lambda out, _: out.loss``)."""
 
     _transparent_layers = True
+    _shared_buffers = True
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
+    _model: nn.Module  # the model (not registered: the cells hold its parts)
+    _aliases: dict[str, str]  # a parameter's other names -> the model's first name for it
 
-    def __init__(self, model: nn.Module, plan: Plan, split_points: list[str], **kwargs: Any):
-        # Each parameter's first name in the model: what the plain model's optimizer state
-        # is keyed by (taken now, before materialising can replace a parameter).
+    def __init__(self, model: nn.Module, plans: Plans, split_points: list[str], **kwargs: Any):
+        # Each parameter's first name in the model: what the plain model's named_parameters()
+        # and optimizer state call it (taken now, before materialising can replace one).
         first_names: dict[int, str] = {}
         aliases = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases[name] = first_names.setdefault(id(param), name)
-        cells = stage_cells(model, plan)
+        self.__dict__["_model"] = model  # not a submodule: the cells hold its parts
+        cells = stage_cells(model, plans)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
-        super().__init__(module, [1] * plan.stages, **kwargs)
+        super().__init__(module, [1] * plans.first.stages, **kwargs)
+        self.__dict__["_aliases"] = {a: n for a, n in aliases.items() if a != n}
         optim_state.rename_parameters(self, {
-            name: aliases[name] for name, _ in self.named_parameters()
+            name: aliases[name] for name, _ in super().named_parameters()
             if aliases.get(name, name) != name
         })  # fmt: skip
         self.split_points = list(split_points)
-        self._plan = plan
+        self._plan = plans.first
         self.__dict__["_first_stage"] = first
         if self._pipeline is not None:
             self._pipeline.targets_optional = True
+
+    @property
+    def training(self) -> bool:
+        """The model's mode, which its forward reads (``pipe.train()`` and ``pipe.eval()`` set
+        it, glue and every stage included; so does the model's own ``train()``)."""
+        model = self.__dict__.get("_model")
+        return bool(model.training) if model is not None else self.__dict__.get("_mode", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["_mode"] = mode
+
+    def train(self, mode: bool = True) -> ModelPipe:
+        """Sets the mode of the whole model, the glue between the stages' modules included,
+        on this rank (call it on every rank): what the model's forward reads as
+        ``self.training`` on every stage."""
+        super().train(mode)
+        self._model.train(mode)
+        return self
+
+    def _in_the_models_mode(self) -> None:
+        """The cells follow the model's mode (which its own train()/eval() may have set)."""
+        mode = self._model.training
+        if self.__dict__.get("_mode") != mode:
+            self.train(mode)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under the plain model's names: a tied one (held by several stages,
+        or by another module than the one the model names first) by the name the plain
+        model's ``named_parameters()`` gives it, on every rank."""
+        dot = f"{prefix}." if prefix else ""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            if remove_duplicate:
+                key = name[len(dot) :]
+                name = dot + self._aliases.get(key, key)
+            yield name, param
 
     def _as_input(self, inputs: Any) -> tuple[Tensor, ...] | None:
         """The model's inputs in the form of example_inputs, as the pipe's tuple of tensors
@@ -96,12 +139,23 @@ class ModelPipe(GPipe):
         else:
             raise TypeError("pipe(...) takes the model's inputs as positional or keyword "
                             "arguments, as example_inputs gave them")  # fmt: skip
+        if self._plan.cache:
+            raise ValueError(
+                f"pipe(...): the model returns a {self._plan.cache} (use_cache=True), whose "
+                "layers' keys and values each stage holds only for its own layers; pass "
+                "use_cache=False in example_inputs and in the inputs (or set "
+                "model.config.use_cache = False before building the pipe): a pipe runs whole "
+                "sequences, not token by token"
+            )
+        self._in_the_models_mode()
         return super().forward(self._as_input(inputs))  # type: ignore[arg-type]
 
     def train_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
+        self._in_the_models_mode()
         return super().train_step(self._as_input(input), target, loss_fn, **kwargs)  # type: ignore[arg-type]
 
     def eval_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
+        self._in_the_models_mode()
         return super().eval_step(self._as_input(input), target, loss_fn, **kwargs)
 
 
@@ -148,8 +202,30 @@ def pipeline(
             f"num_stages={num_stages} but {len(split_points)} split points make "
             f"{len(split_points) + 1} stages"
         )
+    _check_devices(len(split_points) + 1, kwargs)
     plan = discover(model, example_inputs, list(split_points))
-    return ModelPipe(model, plan, list(split_points), **kwargs)
+    plans = Plans(model, example_inputs, list(split_points), plan)
+    return ModelPipe(model, plans, list(split_points), **kwargs)
+
+
+def _check_devices(stages: int, kwargs: dict[str, Any]) -> None:
+    """Devices given in one process that the stages would leave unused (zbv runs two stages
+    per device) are refused rather than silently left out."""
+    devices = kwargs.get("devices")
+    schedule = kwargs.get("schedule", "gpipe")
+    if devices is None or kwargs.get("pp_group") is not None or not isinstance(schedule, str):
+        return
+    try:
+        per = schedule_kind(schedule).stages_per_worker
+    except (KeyError, ValueError):
+        return  # GPipe names an unknown schedule
+    if per and stages // per < len(devices) and stages % per == 0:
+        raise ValueError(
+            f"devices: the {schedule} schedule runs {per} stages per device, so "
+            f"{stages} stages use {stages // per} of the {len(devices)} devices given; give "
+            f"{per * len(devices)} stages ({per * len(devices) - 1} split points) for "
+            f"{len(devices)} devices, or devices={list(devices)[: max(stages // per, 1)]!r}"
+        )
 
 
 def _default_stages(kwargs: dict[str, Any]) -> int:

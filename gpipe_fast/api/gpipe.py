@@ -140,6 +140,10 @@ class GPipe(nn.Module):
     # A pipe of any model (gf.pipeline) keys its tensors without its layers' names (its layers
     # are stages holding modules at their places in the model: see api/state_dict.py).
     _transparent_layers: ClassVar[bool] = False
+    # Whether cells may share a buffer (a pipe of any model: a buffer its glue reads on
+    # several stages, which each holds; GPipe's own cells keep one each, as running
+    # statistics could not be kept in step).
+    _shared_buffers: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -212,7 +216,8 @@ class GPipe(nn.Module):
                 cell = cast(nn.Sequential, DeferredBatchNorm.convert(cell))
             cells.append(cell)
             start += size
-        _reject_shared_buffers(cells)
+        if not self._shared_buffers:
+            _reject_shared_buffers(cells)
         skips = _skip_layout(cells) if skippable else None
         ties = find_ties(cells)
         if not layout.multi_process:
@@ -232,13 +237,22 @@ class GPipe(nn.Module):
             warn_uninitialised(uninitialised)
         self._unfilled = Unfilled(uninitialised)
         retie(cells, ties, here)
-        shared_here = [t for t in ties if sum(here[k] for k, _ in t.places) > 1]
-        if dp_shard and shared_here:
+        # Decided alike on every rank (from the layout, not from this rank's cells), so that
+        # a refusal is every rank's, at once.
+        shared_in_a_process = [
+            t for t in ties
+            if len({layout.stage_rank(k) for k, _ in t.places}) < len({k for k, _ in t.places})
+        ]  # fmt: skip
+        if dp_shard and shared_in_a_process:
             raise ValueError(
                 "dp_shard: a weight tied between two cells of one process cannot be sharded "
                 "yet (both cells' FSDP units would hold it; ties across processes can): "
                 + "; ".join(
-                    " = ".join(f"cell {k}'s {name}" for k, name in t.places) for t in shared_here
+                    " = ".join(
+                        f"cell {k}'s {self._place_key(name)} (rank {layout.global_rank(k)})"
+                        for k, name in t.places
+                    )
+                    for t in shared_in_a_process
                 )
             )
         tied = TiedGradients(cells, ties, layout)

@@ -57,7 +57,11 @@ class MergedStages:
 
     def __getattr__(self, name: str) -> Any:
         found = [m for h in self._holders if (m := h._modules.get(name)) is not None]
-        if not found:
+        if not found:  # a tensor a container holds (a stage's copy of a glue parameter)
+            tensors = [t for h in self._holders
+                       if (t := h._parameters.get(name, h._buffers.get(name))) is not None]  # fmt: skip
+            if tensors:
+                return tensors[0]
             raise AttributeError(name)
         if len({id(m) for m in found}) == 1:
             return found[0] if type(found[0]) is not nn.Module else MergedStages(found)

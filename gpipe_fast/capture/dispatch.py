@@ -1,4 +1,4 @@
-"""An atom's forward: its own outside a pipe's stage, the running stage's view of it inside one."""
+"""An atom's call: the module's own outside a pipe's run, the running stage's (or planner's)."""
 
 from __future__ import annotations
 
@@ -12,62 +12,52 @@ from torch import nn
 _local = threading.local()
 
 
-class View(Protocol):
-    """What a thread running a stage (or the planner) makes of an atom's call."""
+class Run(Protocol):
+    """What a thread running a stage (or the planner) makes of an atom's call: `call` is the
+    module's own (its hooks, then its forward)."""
 
-    def __call__(
-        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
-    ) -> Any: ...
+    def atom(self, module: nn.Module, args: Any, kwargs: Any, call: Callable[..., Any]) -> Any: ...
 
 
-class AtomForward:
-    """Replaces an atom's `forward` (an instance attribute, so that `module(...)` with all its
-    hooks still runs it): the module's own forward unless this thread views a stage. Several
-    threads may run different stages of one model at once: each has its own view."""
+class AtomCall:
+    """Set as an atom's `_compiled_call_impl`, which `module(...)` calls instead of its usual
+    call: that call itself unless this thread runs a stage, whose run then decides. A stage
+    runs its own atoms so, hooks and all; another stage's atom is a placeholder, and no hook
+    of the module fires for it. Several threads may run different stages of one model at
+    once: each has its own run. A `module.compile()` before the pipe was built is kept (its
+    compiled call runs the module's own calls)."""
 
-    def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
+    def __init__(self, module: nn.Module, previous: Callable[..., Any] | None) -> None:
         self.module = module
-        self.forward = forward
+        self.previous = previous
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        view: View | None = getattr(_local, "view", None)
-        if view is None:
-            return self.forward(*args, **kwargs)
-        return view(self.module, self.forward, args, kwargs)
+        call = self.previous if self.previous is not None else self.module._call_impl
+        run: Run | None = getattr(_local, "run", None)
+        if run is None:
+            return call(*args, **kwargs)
+        return run.atom(self.module, args, kwargs, call)
 
 
-def install(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Gives each module (once) the dispatching forward; returns those it was given now."""
-    added = []
+def install(modules: Iterable[nn.Module]) -> None:
+    """Gives each module (once) the dispatching call."""
     for module in modules:
-        if not isinstance(module.__dict__.get("forward"), AtomForward):
-            module.forward = AtomForward(module, module.forward)
-            added.append(module)
-    return added
+        found = module.__dict__.get("_compiled_call_impl")
+        if not isinstance(found, AtomCall):
+            module._compiled_call_impl = AtomCall(module, found)
 
 
-def uninstall(modules: Iterable[nn.Module]) -> None:
-    for module in modules:
-        found = module.__dict__.get("forward")
-        if isinstance(found, AtomForward):
-            del module.forward
+def current() -> Run | None:
+    """The run this thread is in (None outside any)."""
+    return getattr(_local, "run", None)
 
 
 @contextmanager
-def installed(modules: Iterable[nn.Module]) -> Iterator[None]:
-    added = install(modules)
+def running(run: Run) -> Iterator[None]:
+    """Atoms called on this thread go through `run` meanwhile."""
+    previous = getattr(_local, "run", None)
+    _local.run = run
     try:
         yield
     finally:
-        uninstall(added)
-
-
-@contextmanager
-def viewing(view: View) -> Iterator[None]:
-    """Atoms called on this thread go through `view` meanwhile."""
-    previous = getattr(_local, "view", None)
-    _local.view = view
-    try:
-        yield
-    finally:
-        _local.view = previous
+        _local.run = previous

@@ -1,33 +1,36 @@
 """One stage of a model cut by its plan: the model's own forward, this stage's atoms for real.
 
 Every stage runs the whole forward of the model (its glue is cheap) with its own micro-batch
-of the inputs. Its own atoms run for real, on the values the plan routes to it substituted
-for their arguments; every other atom returns a fake placeholder of the shape it would have
-returned (FakeTensor: no memory, no compute; run once per shape, then remembered), so that
-the glue between them runs as written. What other stages need is captured where the plan
-says, and the forward stops once this stage has done all it must (the last stage runs to the
-end and returns the model's output). Glue that would read a placeholder's values (`.item()`,
-control flow on data) fails loudly: a stage never computes with another stage's values that
-it does not have.
+of the inputs. Its own atoms run for real, hooks and all; every other atom returns a fake
+placeholder of the shape it would have returned (capture/placeholders.py), and fires no hook,
+so that the glue between them runs as written. Each value another stage needs is taken where
+this stage makes it, each value this stage receives is put where it makes its placeholder of
+it, matched by identity (capture/identity.py) and checked (shape and dtype) as it is put. The
+forward stops once this stage has done all it must (the last stage runs to the end and
+returns the model's output). Glue that would read a placeholder's values (`.item()`, control
+flow on data) fails loudly: a stage never computes with another stage's values that it does
+not have.
 """
 
 from __future__ import annotations
 
-import copy
-import types
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
 
-from gpipe_fast.capture.discover import fake_memo, fake_of
-from gpipe_fast.capture.dispatch import install, viewing
+from gpipe_fast.capture.dispatch import current, install, running
+from gpipe_fast.capture.identity import Key, KeyedRun, rebuilt, replace
+from gpipe_fast.capture.placeholders import Placeholders
 from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plans import Plans
 from gpipe_fast.skip.skippable import pop, skippable, stash
 
 
@@ -36,240 +39,222 @@ class _StageDone(BaseException):
     so that the model's own `except Exception` lets it through)."""
 
 
-def _describe(leaf: Any) -> Any:
-    if isinstance(leaf, Tensor):
-        return (tuple(leaf.shape), leaf.dtype, leaf.device)
-    if leaf is None or isinstance(leaf, (bool, int, float, str)):
-        return leaf
-    return type(leaf).__qualname__
+class _StageRun(KeyedRun):
+    """One forward of the model on one stage: its atom calls and, when its plan takes or puts
+    values that glue ops make, its glue ops, keyed."""
 
-
-class _Placeholders:
-    """Fake outputs of other stages' atoms, per call and argument shapes: the atom runs once
-    on fake tensors for each new shape, then its output's shapes are reused. It runs as a
-    shadow: a copy of the module whose parameters and buffers (the whole model's, wherever
-    the copy reaches them) are fake, so that what its forward writes (a BatchNorm's
-    statistics, any attribute) stays in the copy. The module itself belongs to its own stage,
-    which may be running it for real at that moment on another thread."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self._model = model
-        self._memo: dict[int, Any] | None = None  # deepcopy's memo: real tensor id -> fake
-        self._shadows: dict[int, nn.Module] = {}
-        self._outputs: dict[Any, tuple[list[Any], Any]] = {}
-
-    def _shadow(self, module: nn.Module) -> nn.Module:
-        shadow = self._shadows.get(id(module))
-        if shadow is None:
-            if self._memo is None:
-                self._memo = fake_memo(self._model, self.mode)
-            # The module's tensors as they are now: a sharded stage's FSDP swaps its modules'
-            # parameters between shards and whole tensors as it runs, on its own thread.
-            self._memo.update(fake_memo(module, self.mode))
-            shadow = copy.deepcopy(module, self._memo)
-            _all_fake(shadow, self.mode)
-            self._shadows[id(module)] = shadow
-        return shadow
-
-    def output(
-        self, call: int, module: nn.Module, forward: Callable[..., Any], leaves: list[Any],
-        spec: Any,
-    ) -> Any:  # fmt: skip
-        key = (call, tuple(_describe(leaf) for leaf in leaves))
-        found = self._outputs.get(key)
-        if found is None:
-            stand_in = _stand_in_device(module, leaves)
-            if getattr(forward, "__self__", None) is module:  # the module's own method
-                forward = types.MethodType(forward.__func__, self._shadow(module))  # type: ignore[attr-defined]
-            with self.mode, torch.no_grad():
-                fakes = [self.mode.from_tensor(t) if _real(t) else t for t in leaves]
-                if stand_in is not None:  # all on meta, as the module's own tensors are
-                    fakes = [t.to("meta") if isinstance(t, Tensor) else t for t in fakes]
-                args, kwargs = pytree.tree_unflatten(fakes, spec)
-                out = forward(*args, **kwargs)
-            out_leaves, out_spec = pytree.tree_flatten(out)
-            described = [
-                _describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves
-            ]
-            if stand_in is not None:  # what the glue would get from that stage: on this one's
-                described = [(d[0], d[1], stand_in) if _is_tensor_description(d) else d
-                             for d in described]  # fmt: skip
-            found = self._outputs[key] = (described, out_spec)
-        described, out_spec = found
-        with self.mode:
-            made = [
-                torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d) else d
-                for d in described
-            ]
-        return pytree.tree_unflatten(made, out_spec)
-
-
-def _all_fake(module: nn.Module, mode: FakeTensorMode) -> None:
-    """Every parameter and buffer of a shadow fake, also one that its stage's FSDP swapped in
-    while the copy was being made (a whole tensor or a shard: a fake of its whole shape)."""
-    for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None and not isinstance(param, FakeTensor):
-                owner._parameters[name] = nn.Parameter(fake_of(param, mode), param.requires_grad)
-        for name, buffer in owner._buffers.items():
-            if buffer is not None and not isinstance(buffer, FakeTensor):
-                owner._buffers[name] = fake_of(buffer, mode)
-
-
-def _is_tensor_description(described: Any) -> bool:
-    return (isinstance(described, tuple) and len(described) == 3
-            and isinstance(described[1], torch.dtype))  # fmt: skip
-
-
-def _stand_in_device(module: nn.Module, leaves: list[Any]) -> torch.device | None:
-    """Where the placeholders of `module` go when it still lies on the meta device (a module
-    of another process's stage, never given memory here) and is called with this stage's
-    tensors: on their device, as the values that stage sends would be; else None."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if not any(t.is_meta for t in tensors):
-        return None
-    devices = [leaf.device for leaf in leaves if isinstance(leaf, Tensor) and not leaf.is_meta]
-    return devices[0] if devices else None
-
-
-def _real(leaf: Any) -> bool:
-    return isinstance(leaf, Tensor) and not isinstance(leaf, FakeTensor)
-
-
-class _StageView:
-    """A stage's view of the atoms' calls (and, where its plan names glue ops, of those) during
-    one forward of the model: what it takes for other stages and what it puts in."""
-
-    def __init__(self, cell: StageCell, received: dict[str, Tensor | None]) -> None:
-        self.cell = cell
-        self.plan = cell.plan
-        self.stage = cell.stage
-        self.sites = cell.sites
-        self.last_needed = cell.plan.last_needed[cell.stage]
+    def __init__(self, cell: StageCell, plan: Plan, received: dict[str, Tensor | None],
+                 inputs: dict[str, Tensor]) -> None:  # fmt: skip
+        super().__init__(plan.identities, add=False)
+        self.cell, self.plan, self.stage = cell, plan, cell.stage
         self.received = received
+        self.takes, self.puts = plan.takes(cell.stage), plan.puts(cell.stage)
+        self.wanted = len(set(self.takes.values()))
         self.captured: dict[str, Tensor | None] = {}
+        self.atom_modules = cell.atom_modules(plan)
         self.next = 0
-        self.depth = 0  # > 0 inside an atom's call: its own torch calls are not glue
+        self.own_left = plan.own_calls(cell.stage)
+        self.current_call: int | None = None
+        self.sub_calls: dict[str, int] = {}
+        self.out_calls = {plan.values[k].call for k in (*self.takes, *self.puts)
+                          if plan.values[k].kind == "out"}  # fmt: skip
+        self.substitutes = cell.substitutes(plan)
+        kinds = {plan.values[k].kind for k in (*self.takes, *self.puts)}
+        self.glue = "op" in kinds or bool(self.substitutes)
+        if self.glue:
+            self._key_what_every_stage_has(inputs)
 
-    def __call__(
-        self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
-    ) -> Any:
+    def _key_what_every_stage_has(self, inputs: dict[str, Tensor]) -> None:
+        keys = self.keys
+        for name, tensor in inputs.items():
+            keys.set(tensor, keys.intern(("input", name)))
+        model = self.cell._model
+        for name in self.plan.state_names:
+            found = _tensor_at(model, name)
+            if found is not None:
+                key = keys.intern(("state", name))
+                keys.set(found, key)
+                own = self.substitutes.get(id(found))
+                if own is not None:
+                    keys.set(own, key)
+
+    # -- atoms -------------------------------------------------------------------------------
+
+    def atom(self, module: nn.Module, args: Any, kwargs: Any, call: Callable[..., Any]) -> Any:
         plan, i = self.plan, self.next
-        if i >= len(plan.calls) or self.cell.atom_modules[i] is not module:
-            expected = plan.calls[i].fqn if i < len(plan.calls) else "no more modules"
+        if i >= len(plan.calls) or self.atom_modules[i] is not module:
+            expected = repr(plan.calls[i].fqn) if i < len(plan.calls) else "no more modules"
             raise RuntimeError(
-                f"gpipe_fast.pipeline: the model's forward called {self.cell.name_of(module)!r} "
-                f"where its plan has {expected!r} (call {i}): its control flow depends on the "
-                "input's values, which each stage does not have"
+                f"gpipe_fast.pipeline: on stage {self.stage} the model's forward called "
+                f"{self.cell.name_of(module)!r} where its plan has {expected} (call {i}): its "
+                "control flow depends on the input's values, which each stage does not have, "
+                "or differs from when the pipe was planned"
             )
-        self.next += 1
-        self.depth += 1
+        self.next = i + 1
+        fqn = plan.calls[i].fqn
+        self.current_call, self.sub_calls = i, {}
         try:
-            out = self._call(i, module, forward, args, kwargs)
+            with self.suspended():
+                if self.substitutes:
+                    args, kwargs = (
+                        replace(args, self.substitutes),
+                        replace(kwargs, self.substitutes),
+                    )
+                if plan.calls[i].stage == self.stage:
+                    _check_real((args, kwargs), f"an argument of {fqn!r} (call {i})", self.stage)
+                    out = call(*args, **kwargs)
+                    self.own_left -= 1
+                else:
+                    fresh = i in self.cell.side_calls(plan)
+                    out = self.cell.placeholders.output(
+                        i, fqn, module, args, kwargs, plan.training, fresh
+                    )
         finally:
-            self.depth -= 1
-        if i >= self.last_needed:
-            raise _StageDone
+            self.current_call = None
+        if self.glue or i in self.out_calls:
+            out = self._atom_output(i, out)
+        self._check_done()
         return out
 
-    def _call(
-        self, i: int, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
-    ) -> Any:
-        call = self.plan.calls[i]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        self._take(self.sites.capture["arg"].get(i), leaves, call.fqn)
-        if call.stage == self.stage:
-            self._put(self.sites.put["arg"].get(i), leaves)
-            for j, leaf in enumerate(leaves):
-                if isinstance(leaf, Tensor):
-                    self._real(leaf, f"argument {j} of {call.fqn!r}")
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
-            out = forward(*args, **kwargs)
-        elif i < self.last_needed:
-            out = self.cell.placeholders.output(i, module, forward, leaves, spec)
-        else:
-            return None
-        return self.after(self.sites.capture["out"].get(i), self.sites.put["out"].get(i), out,
-                          f"the output of {call.fqn!r}")  # fmt: skip
-
-    def after(self, take: dict[int, str] | None, put: dict[int, str] | None, out: Any,
-              what: str) -> Any:  # fmt: skip
-        """`out` (an atom's or a glue op's) with this stage's sites there applied."""
-        if not take and not put:
-            return out
+    def _atom_output(self, i: int, out: Any) -> Any:
         leaves, spec = pytree.tree_flatten(out)
-        self._take(take, leaves, what)
-        self._put(put, leaves)
-        return pytree.tree_unflatten(leaves, spec)
+        changed = False
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                key = self.keys.intern(("out", i, j))
+                if self.glue:
+                    self.keys.set(leaf, key)
+                new = self._sites(key, leaf)
+                if new is not leaf:
+                    leaves[j], changed = new, True
+        return pytree.tree_unflatten(leaves, spec) if changed else out
 
-    def _take(self, take: dict[int, str] | None, leaves: list[Any], what: str) -> None:
-        for j, key in (take or {}).items():
-            self.captured[key] = self._real(leaves[j], what)
+    def side_output(self, module_name: str, output: Any, deliver: bool) -> Any:
+        """An output of a module inside the atom call now running (hooked): taken for another
+        stage, or (`deliver`: in a placeholder's shadow) put from the one that made it."""
+        i = self.current_call
+        if i is None:
+            return None
+        nth = self.sub_calls[module_name] = self.sub_calls.get(module_name, -1) + 1
+        leaves, spec = pytree.tree_flatten(output)
+        changed = False
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                key = self.keys.intern(("sub", i, module_name, nth, j))
+                if key is None:
+                    continue
+                if deliver and key in self.puts:
+                    leaves[j], changed = self._put(key, leaf), True
+                elif not deliver and key in self.takes:
+                    self._take(key, leaf)
+        return pytree.tree_unflatten(leaves, spec) if changed else None
 
-    def _put(self, put: dict[int, str] | None, leaves: list[Any]) -> None:
-        for j, key in (put or {}).items():
-            leaves[j] = self.received[key]
+    # -- glue ops ----------------------------------------------------------------------------
 
-    def _real(self, leaf: Any, what: str) -> Tensor:
-        if isinstance(leaf, FakeTensor):
-            raise RuntimeError(
-                f"gpipe_fast.pipeline: {what} holds a value that another stage computes and "
-                "that the plan did not route here (the model's forward took another path than "
-                "on the example inputs?)"
-            )
-        return leaf  # type: ignore[no-any-return]
-
-
-class _GlueOps(TorchFunctionMode):
-    """Counts the glue's torch calls as the planner did (not those inside atoms) and applies
-    the stage's sites at the glue ops its plan names."""
-
-    def __init__(self, view: _StageView) -> None:
-        super().__init__()
-        self.view = view
-        self.ops = 0
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        view = self.view
-        if view.depth:
-            return out
-        op = self.ops
-        self.ops += 1
-        sites = view.sites
-        take, put = sites.capture["op"].get(op), sites.put["op"].get(op)
-        if take or put:
-            view.depth += 1  # flattening the output makes torch calls of its own
-            try:
-                name = getattr(func, "__name__", func)
-                out = view.after(take, put, out, f"glue op {op} ({name})")
-            finally:
-                view.depth -= 1
+    def after_op(
+        self, name: str, inputs: tuple[Key, ...], out: Any, leaves: list[Tensor | None],
+        made: list[tuple[int, Tensor, Key]],
+    ) -> Any:  # fmt: skip
+        changed = False
+        for j, tensor, key in made:
+            new = self._sites(key, tensor)
+            if new is not tensor and j >= 0:
+                leaves[j], changed = new, True
+        if changed:
+            out = rebuilt(out, leaves)
+        self._check_done()
         return out
+
+    # -- taking and putting ------------------------------------------------------------------
+
+    def _sites(self, key: Key, tensor: Tensor) -> Tensor:
+        if key is None:
+            return tensor
+        if key in self.puts:
+            tensor = self._put(key, tensor)
+            if self.glue:
+                self.keys.set(tensor, key)
+        if key in self.takes:
+            self._take(key, tensor)
+        return tensor
+
+    def _put(self, key: int, stand_in: Tensor) -> Tensor:
+        route = self.puts[key]
+        value = self.received.get(route)
+        what = self.plan.values[key].what
+        if not isinstance(value, Tensor):
+            raise RuntimeError(f"gpipe_fast.pipeline: stage {self.stage} received no value for "
+                               f"{what} (route {route})")  # fmt: skip
+        if value.shape != stand_in.shape or value.dtype != stand_in.dtype:
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: stage {self.stage} received {what} as "
+                f"{tuple(value.shape)} {value.dtype}, where its own run of the forward makes "
+                f"{tuple(stand_in.shape)} {stand_in.dtype}: the stages' runs of the forward "
+                "differ (a branch on the stage's own values?)"
+            )
+        return value
+
+    def _take(self, key: int, tensor: Tensor) -> None:
+        route = self.takes[key]
+        if isinstance(tensor, FakeTensor):
+            value = self.plan.values[key]
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: stage {self.stage} must send {value.what} to stage(s) "
+                f"{self.plan.routes[route].consumers}, but its run of the forward makes it "
+                "from placeholders of other stages' values: the forward took another path than "
+                "when the pipe was planned"
+            )
+        self.captured[route] = tensor
+
+    def _check_done(self) -> None:
+        if not self.cell.last and self.own_left == 0 and len(self.captured) == self.wanted:
+            raise _StageDone
+
+    def finish(self) -> None:
+        """After the forward: every value this stage sends was taken."""
+        missing = [self.plan.values[k].what for k, r in self.takes.items()
+                   if r not in self.captured]  # fmt: skip
+        if missing or (self.own_left and not self.cell.last):
+            lost = "; ".join(missing) or f"{self.own_left} of its own module calls"
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: stage {self.stage}'s run of the model's forward ended "
+                f"without making {lost}, which its plan sends to other stages: the forward "
+                "took another path than when the pipe was planned (another mode, other "
+                "constant inputs, a branch on shapes?)"
+            )
+
+    def where(self) -> str:
+        if self.next == 0:
+            return "before its first module call"
+        call = self.plan.calls[self.next - 1]
+        return f"after {call.fqn!r} (call {call.index}) was called"
 
 
 class StageCell(nn.Module):
-    """Stage `stage` of `model` cut by `plan`: the layer of one cell (made skippable per stage
-    by stage_cells). Its submodules are the stage's atoms at their places in the model (so its
-    parameters keep the model's names); the model itself is held but not registered."""
+    """Stage `stage` of `model` cut by `plans`: the layer of one cell (made skippable per stage
+    by stage_cells). Its submodules are the stage's atoms at their places in the model, and
+    the parameters and buffers its glue reads (so its tensors keep the model's names); the
+    model itself is held but not registered."""
 
-    def __init__(self, model: nn.Module, plan: Plan, stage: int, extra: list[str]) -> None:
+    def __init__(self, model: nn.Module, plans: Plans, stage: int, extra: list[str]) -> None:
         super().__init__()
-        self.plan = plan
+        plan = plans.first
+        self.plans = plans
         self.stage = stage
         self.last = stage == plan.stages - 1
         self.present = list(plan.tensor_inputs)  # stage 0: the inputs of the current step
         self.__dict__["_model"] = model  # not a submodule: each cell holds only its atoms
         self._model: nn.Module
-        for fqn in [*plan.atoms[stage], *extra]:
+        for fqn in plan.atoms[stage]:
             _place(self, fqn, model.get_submodule(fqn))
-        self.atom_modules = [model.get_submodule(call.fqn) for call in plan.calls]
-        install(self.atom_modules)
-        self.placeholders = _Placeholders(model)
-        self.sites = plan.sites(stage)
+        for name in [*plan.reads[stage], *extra]:
+            _place_tensor(self, model, name)
+        self._hold_under_first_names(model)
+        self.placeholders = Placeholders(model)
+        self.placeholders.on_shadow = self._hook_shadow
+        self._atoms: dict[int, list[nn.Module]] = {}
+        self._sides: dict[int, set[int]] = {}
+        self._hooked: set[tuple[str, bool]] = set()
         consumed = plan.consumed_by(stage)
         # From the stage just before: the boundary value; from further back: skips.
         self.pops = sorted((r.key, _skip_name(r.key, stage)) for r in consumed
@@ -277,6 +262,66 @@ class StageCell(nn.Module):
         self.stashes = sorted((r.key, _skip_name(r.key, t)) for r in plan.produced_by(stage)
                               for t in r.consumers if t > stage + 1)  # fmt: skip
         self.passes = sorted(r.key for r in plan.produced_by(stage) if stage + 1 in r.consumers)
+        self.atom_modules(plan)
+
+    def _hold_under_first_names(self, model: nn.Module) -> None:
+        """Each parameter of the stage also at the model's first name for it (GPT-2's head,
+        alone on the last stage, is `transformer.wte.weight` there too), so that the plain
+        model's names reach it on every stage."""
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            first.setdefault(id(param), name)
+        for name, param in list(self.named_parameters(remove_duplicate=False)):
+            plain = first.get(id(param), name)
+            if plain != name and _tensor_at(self, plain) is None:
+                _place_tensor(self, model, plain)
+
+    def atom_modules(self, plan: Plan) -> list[nn.Module]:
+        """The modules of `plan`'s calls, given the dispatching call."""
+        found = self._atoms.get(id(plan))
+        if found is None:
+            found = [self._model.get_submodule(call.fqn) for call in plan.calls]
+            install(found)
+            self._hook_side_outputs(plan)
+            self._atoms[id(plan)] = found
+        return found
+
+    def side_calls(self, plan: Plan) -> set[int]:
+        """The calls whose placeholders must run again each time: the glue reads outputs of
+        modules inside them (recorded by the model's own hooks, which then run alike)."""
+        found = self._sides.get(id(plan))
+        if found is None:
+            found = self._sides[id(plan)] = set(plan.side_calls)
+        return found
+
+    def _hook_side_outputs(self, plan: Plan) -> None:
+        """Hooks on the real modules whose outputs this stage takes from inside its atoms."""
+        for key in plan.takes(self.stage):
+            value = plan.values[key]
+            if value.kind == "sub" and (value.name, False) not in self._hooked:
+                self._hooked.add((value.name, False))
+                self._model.get_submodule(value.name).register_forward_hook(
+                    _side_hook(self, value.name, deliver=False)
+                )
+
+    def _hook_shadow(self, fqn: str, shadow: nn.Module) -> None:
+        """Hooks on a new shadow's modules whose outputs this stage receives (in any mode)."""
+        names = {plan.values[k].name for plan in self.plans.all()
+                 for k in plan.puts(self.stage) if plan.values[k].kind == "sub"}  # fmt: skip
+        for name, module in shadow.named_modules():
+            full = f"{fqn}.{name}" if name else fqn
+            if full in names:
+                module.register_forward_hook(_side_hook(self, full, deliver=True), prepend=True)
+
+    def substitutes(self, plan: Plan) -> dict[int, Tensor]:
+        """The model's tensors its glue reads that this stage holds another copy of (a
+        replica on its device, a tensor given memory here): model's (by id) -> stage's."""
+        found: dict[int, Tensor] = {}
+        for name in plan.reads[self.stage]:
+            model_tensor, own = _tensor_at(self._model, name), _tensor_at(self, name)
+            if model_tensor is not None and own is not None and own is not model_tensor:
+                found[id(model_tensor)] = own
+        return found
 
     def name_of(self, module: nn.Module) -> str:
         for name, found in self._model.named_modules():
@@ -285,7 +330,7 @@ class StageCell(nn.Module):
         return type(module).__name__
 
     def forward(self, value: Any):  # type: ignore[no-untyped-def]
-        plan = self.plan
+        plan = self.plans.get(self._model.training)
         received: dict[str, Tensor | None]
         if self.stage == 0:  # the inputs the step was given (others are None)
             given = value if isinstance(value, tuple) else (value,)
@@ -296,20 +341,26 @@ class StageCell(nn.Module):
             received = dict(value)
         for key, name in self.pops:
             received[key] = yield pop(name)
-        args, kwargs = _inputs(plan, received)
-        view = _StageView(self, received)
+        args, kwargs, inputs = _inputs(plan, received)
+        run = _StageRun(self, plan, received, inputs)
         output = None
-        with viewing(view), _GlueOps(view) if self.sites.any_ops() else nullcontext():
+        with running(run), run.enter() if run.glue else nullcontext():
             try:
                 output = self._model(*args, **kwargs)
             except _StageDone:
                 pass
-        captured = view.captured
+            except (DataDependentOutputException, DynamicOutputShapeException) as error:
+                raise RuntimeError(
+                    f"gpipe_fast.pipeline: on stage {self.stage} the model's forward reads the "
+                    f"values of a tensor {run.where()} ({error}), and this stage holds it only "
+                    "as a placeholder: another stage computes it (a hook that reads values on a "
+                    "module that spans stages, or a branch on data the plan did not see)"
+                ) from error
+        run.finish()
+        captured = run.captured
         if self.stage == 0:
             captured.update((plan.input_key(n), received[plan.input_key(n)])
                             for n in plan.tensor_inputs)  # fmt: skip
-        output = view.after(self.sites.capture["end"].get(-1), self.sites.put["end"].get(-1),
-                            output, "the model's output")  # fmt: skip
         for key, name in self.stashes:
             yield stash(name, captured[key])
         if self.last:
@@ -317,22 +368,58 @@ class StageCell(nn.Module):
         return {key: captured[key] for key in self.passes}
 
 
+def _side_hook(cell: StageCell, name: str, deliver: bool) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        run = current()
+        if not isinstance(run, _StageRun) or run.cell is not cell:
+            return None
+        return run.side_output(name, output, deliver)
+
+    return hook
+
+
+def _check_real(tree: Any, what: str, stage: int) -> None:
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, FakeTensor):
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: on stage {stage}, {what} holds a value that another "
+                "stage computes and that the plan did not route here (the model's forward "
+                "took another path than on the example inputs?)"
+            )
+
+
 def _skip_name(key: str, consumer: int) -> str:
     return f"{key}>{consumer}"
 
 
-def _inputs(plan: Plan, received: dict[str, Tensor | None]) -> tuple[list[Any], dict[str, Any]]:
+def _inputs(plan: Plan, received: dict[str, Tensor | None]
+            ) -> tuple[list[Any], dict[str, Any], dict[str, Tensor]]:  # fmt: skip
+    tensors = {n: received[plan.input_key(n)] for n in plan.tensor_inputs}
     values = dict(plan.constant_inputs)
-    values.update((n, received[plan.input_key(n)]) for n in plan.tensor_inputs)
+    values.update(tensors)
     args = [values.pop(str(i)) for i in range(plan.positional)]
-    return args, values
+    return args, values, {n: t for n, t in tensors.items() if t is not None}
 
 
 def _checked_output(output: Any) -> Any:
     for j, leaf in enumerate(pytree.tree_leaves(output)):
         if isinstance(leaf, FakeTensor):
-            raise RuntimeError(f"gpipe_fast.pipeline: the model's output leaf {j} was not routed")
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: leaf {j} of the model's output is a placeholder (the "
+                "last stage's run of the forward made it from values it does not have)"
+            )
     return output
+
+
+def _tensor_at(root: nn.Module, name: str) -> Tensor | None:
+    """The parameter or buffer `name` under `root` (None where there is none)."""
+    owner_name, _, attribute = name.rpartition(".")
+    try:
+        owner = root.get_submodule(owner_name) if owner_name else root
+    except AttributeError:
+        return None
+    found = owner._parameters.get(attribute)
+    return found if found is not None else owner._buffers.get(attribute)
 
 
 def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
@@ -348,10 +435,44 @@ def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
     owner.add_module(last, module)
 
 
-def stage_cells(model: nn.Module, plan: Plan) -> list[nn.Module]:
-    """The model's stages as cells (each a class of its own, declaring its skips); modules
-    that the forward never calls go with stage 0, so that nothing of the model is lost."""
-    extra = _uncovered(model, {fqn for names in plan.atoms for fqn in names})
+def _place_tensor(root: nn.Module, model: nn.Module, name: str) -> None:
+    """Puts the model's parameter or buffer `name` at its name under `root`, unless a module
+    of the stage holds it there already."""
+    *path, attribute = name.split(".")
+    owner, source = root, model
+    for part in path:
+        source = source.get_submodule(part)
+        child = owner._modules.get(part)
+        if child is source:
+            return  # a module of the stage holds it
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if source is model and owner is root and attribute in root._modules:
+        return
+    param = source._parameters.get(attribute)
+    if param is not None:
+        owner.register_parameter(attribute, param)
+        return
+    buffer = source._buffers.get(attribute)
+    persistent = attribute not in source._non_persistent_buffers_set
+    owner.register_buffer(attribute, buffer, persistent=persistent)
+
+
+def stage_cells(model: nn.Module, plans: Plans) -> list[nn.Module]:
+    """The model's stages as cells (each a class of its own, declaring its skips); tensors of
+    the model that no stage holds (a module the forward never calls) go with stage 0, so
+    that nothing of the model is lost."""
+    plan = plans.first
+    for name in plan.glue:
+        module = model.get_submodule(name)
+        if isinstance(module, nn.TransformerEncoder):
+            # Its fast path in evaluation packs the batch into a nested tensor for its layers,
+            # which a stage cannot hold a placeholder of: off, for the same output (padding
+            # positions aside, which the fast path leaves at zero).
+            module.use_nested_tensor = False
+    extra = _uncovered(model, plan)
     cells: list[nn.Module] = []
     for k in range(plan.stages):
         consumed = [r for r in plan.consumed_by(k) if r.producer != k - 1]
@@ -360,18 +481,20 @@ def stage_cells(model: nn.Module, plan: Plan) -> list[nn.Module]:
             stash=[_skip_name(r.key, t) for r, t in produced],
             pop=[_skip_name(r.key, k) for r in consumed],
         )(StageCell)
-        cells.append(cls(model, plan, k, extra if k == 0 else []))
+        cells.append(cls(model, plans, k, extra if k == 0 else []))
     return cells
 
 
-def _uncovered(model: nn.Module, atoms: set[str]) -> list[str]:
-    """The outermost modules holding, under a name of their own, parameters or buffers that no
-    atom holds under that name (a module the forward never calls; `shared`, whose weight an
-    atom holds under another name): stage 0 keeps them, so every key of the model stays."""
-    found: list[str] = []
-    for name, module in model.named_modules(remove_duplicate=False):
-        if not name or any(name == a or name.startswith(a + ".") for a in [*atoms, *found]):
-            continue
-        if module._parameters or module._buffers:
+def _uncovered(model: nn.Module, plan: Plan) -> list[str]:
+    """The model's parameters and buffers (by every name they have) that no stage holds under
+    that name: neither inside an atom nor read by the glue of a stage."""
+    atoms = {fqn for names in plan.atoms for fqn in names}
+    read = {name for names in plan.reads for name in names}
+    found = []
+    for name, _ in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:  # fmt: skip
+        parts = name.split(".")
+        inside = any(".".join(parts[:n]) in atoms for n in range(1, len(parts)))
+        if not inside and name not in read:
             found.append(name)
     return found

@@ -1,0 +1,121 @@
+"""Fake copies of a model's modules for the planner and the placeholders, quiet (no user hook)."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# A module's hooks, by the attribute holding them; the with_kwargs and always_called sets
+# name hooks of the first two by their handle's id.
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOK_SETS = (
+    "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+)  # fmt: skip
+
+
+def fake_memo(model: nn.Module, mode: FakeTensorMode) -> dict[int, Any]:
+    """A deepcopy memo that copies each of the model's parameters and buffers as `mode`'s
+    fake tensor: a module copied with it computes shapes alone, and writes only to itself."""
+    return {id(t): fake_of(t, mode) for t in [*model.parameters(), *model.buffers()]}
+
+
+def fake_of(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
+    """`tensor` as `mode`'s fake tensor; a shard (a DTensor of a sharded stage) as its whole
+    tensor, which is what the model's code computes with."""
+    if isinstance(tensor, DTensor):
+        with mode:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return mode.from_tensor(tensor)
+
+
+def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are `mode`'s fake tensors, to run its
+    forward for shapes: what the forward writes (a BatchNorm's count of batches, any
+    attribute) lands in the copy, never in the model, and no hook of the user's fires. The
+    copy has the model's names."""
+    try:
+        planned = copy.deepcopy(model, fake_memo(model, mode))
+    except Exception as error:
+        raise TypeError(
+            f"gpipe_fast.pipeline plans on a copy of the model (so that running its forward "
+            f"changes nothing in it), and copy.deepcopy failed on it: {error}"
+        ) from error
+    quiet(planned)
+    return planned
+
+
+def model_hook(hook: Any) -> bool:
+    """Whether a hook is the model's own: transformers records the outputs its forward returns
+    (`output_router_logits`, `output_hidden_states`) by hooks on its layers."""
+    return str(getattr(hook, "__module__", "")).startswith("transformers.")
+
+
+def quiet(module: nn.Module) -> None:
+    """A copy made quiet: none of the user's hooks fires on it (the model's own stay), its own
+    call is torch's, and its TransformerEncoders do not take the nested-tensor fast path
+    (fake tensors cannot be nested; the output's shape is the same)."""
+    for owner in module.modules():
+        for attribute in _HOOKS:
+            hooks = getattr(owner, attribute, None)
+            if hooks:
+                kept = OrderedDict((k, h) for k, h in hooks.items() if model_hook(h))
+                setattr(owner, attribute, kept)
+        for attribute in _HOOK_SETS:
+            ids = getattr(owner, attribute, None)
+            if ids:
+                live = {*owner._forward_hooks, *owner._forward_pre_hooks}
+                setattr(owner, attribute, {k: v for k, v in ids.items() if k in live})
+        owner.__dict__.pop("_compiled_call_impl", None)
+        if isinstance(owner, nn.TransformerEncoder):
+            owner.use_nested_tensor = False
+
+
+class ShapeRules(TorchDispatchMode):
+    """Output shapes where torch's fake kernel refuses what its real one computes:
+    `_grouped_mm` (transformers' default experts kernel) is fake in bf16 only, and runs on
+    the CPU in float32 too."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func.overloadpacket is not torch.ops.aten._grouped_mm:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError:
+            return _grouped_mm_output(*args, **kwargs)
+
+
+def _grouped_mm_output(
+    mat_a: Tensor, mat_b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
+    """The shape of `torch._grouped_mm`'s output: 2-d x 3-d (groups along the rows) is
+    (M, N); 3-d x 3-d a batched matmul; 2-d x 2-d (groups along K) is (G, M, N)."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        assert offs is not None
+        shape = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        shape = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        shape = [mat_a.size(1), mat_b.size(1)]
+    else:
+        shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+@contextmanager
+def shapes_only(mode: FakeTensorMode) -> Iterator[None]:
+    """Runs in `mode` (fake tensors), with the shape rules above, without gradients."""
+    with mode, ShapeRules(), torch.no_grad():
+        yield
