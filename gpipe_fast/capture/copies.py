@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -29,12 +29,20 @@ def fake_memo(model: nn.Module, mode: FakeTensorMode) -> dict[int, Any]:
 
 
 def fake_of(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
-    """`tensor` as `mode`'s fake tensor; a shard (a DTensor of a sharded stage) as its whole
-    tensor, which is what the model's code computes with."""
-    if isinstance(tensor, DTensor):
-        with mode:
-            return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
-    return mode.from_tensor(tensor)
+    """`tensor` as a new fake tensor of `mode`, of its shape, strides, dtype and device (a shard,
+    a DTensor of a sharded stage: of its whole tensor's shape, which the model's code computes
+    with). Made anew rather than converted, so that nothing else refers to it: a forward that
+    casts its own module (`self.classifier.to(torch.float32)`, as Switch Transformers' router
+    does) swaps the fake's contents, which torch allows only then."""
+    with mode:
+        if isinstance(tensor, DTensor):
+            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                       device=tensor.device)  # fmt: skip
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(fake, tensor.requires_grad)
+    return fake.requires_grad_(tensor.requires_grad) if tensor.is_floating_point() else fake
 
 
 def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
@@ -90,10 +98,10 @@ class ShapeRules(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.overloadpacket is not torch.ops.aten._grouped_mm:
             return func(*args, **kwargs)
-        try:
-            return func(*args, **kwargs)
-        except RuntimeError:
+        fake = any(isinstance(t, FakeTensor) for t in args)
+        if fake and args[0].dtype != torch.bfloat16:  # torch's fake kernel would refuse it
             return _grouped_mm_output(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _grouped_mm_output(
@@ -111,7 +119,9 @@ def _grouped_mm_output(
         shape = [mat_a.size(1), mat_b.size(1)]
     else:
         shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+    fake = next((t for t in (mat_a, mat_b) if isinstance(t, FakeTensor)), None)
+    with fake.fake_mode if fake is not None else nullcontext():
+        return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
 @contextmanager

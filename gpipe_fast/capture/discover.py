@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import sys
+from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,15 @@ def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:
             model(*inputs[0], **inputs[1])
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise ValueError(_reads_values(model, recorder, error)) from error
+    except RuntimeError as error:
+        if not str(error).startswith("_apply(): Couldn't swap"):
+            raise
+        raise ValueError(
+            f"gpipe_fast.pipeline: the model's forward converts its own module's parameters "
+            f"({error}) {_where(model, recorder)}: a pipe plans the forward, and makes the "
+            "placeholders of other stages' modules, on copies whose tensors are fake, which "
+            "torch cannot convert so; convert the model before building the pipe"
+        ) from error
     finally:
         for handle in handles:
             handle.remove()
@@ -107,19 +117,30 @@ _EXPERTS_ADVICE = (
 )
 
 
-def _reads_values(model: nn.Module, recorder: _Recorder, error: Exception) -> str:
-    """Why a forward that reads a tensor's values on the host cannot be planned, and where."""
+def _inner(recorder: _Recorder) -> int | None:
+    """The innermost module call an exception left (or is in)."""
+    if recorder.failed_in is not None:
+        return recorder.failed_in
+    return recorder.stack[-1] if recorder.stack else None
+
+
+def _where(model: nn.Module, recorder: _Recorder) -> str:
+    """Where among the module calls the first run failed: inside which, after which."""
     names = _names(model)
-    events = recorder.events
-    inner = recorder.failed_in if recorder.failed_in is not None else (
-        recorder.stack[-1] if recorder.stack else None)  # fmt: skip
+    events, inner = recorder.events, _inner(recorder)
     parts = []
     if inner is not None and events[inner].parent is not None:
         parts.append(f"inside {names[id(events[inner].module)]!r}")
     if events and (inner is None or events[-1].start != inner):
         parts.append(f"after {names[id(events[-1].module)]!r} returned")
-    where = ", ".join(parts) or "before its first module call"
-    kinds = [type(events[inner].module).__name__.lower()] if inner is not None else []
+    return ", ".join(parts) or "before its first module call"
+
+
+def _reads_values(model: nn.Module, recorder: _Recorder, error: Exception) -> str:
+    """Why a forward that reads a tensor's values on the host cannot be planned, and where."""
+    where = _where(model, recorder)
+    inner = _inner(recorder)
+    kinds = [type(recorder.events[inner].module).__name__.lower()] if inner is not None else []
     experts = any("experts" in kind or "moe" in kind for kind in kinds)
     return (
         f"gpipe_fast.pipeline: the model's forward reads a tensor's values on the host {where} "
@@ -229,7 +250,7 @@ class _Planner(KeyedRun):
         self.atoms, self.stages, self.names = atoms, stages, names
         self.calls: list[Call] = []
         self.values: dict[int, Value] = {}
-        self.needs = Needs([stages.index(k) for k in range(count)])
+        self.needs = Needs([stages.index(k) if k in stages else len(stages) for k in range(count)])
         self.stale: set[int] = set()  # values an in-place op wrote over afterwards
         self.side_calls: set[int] = set()  # atom calls whose inner modules' outputs are read
         self.inside_call: int | None = None
@@ -357,22 +378,36 @@ def discover(
     device."""
     args, kwargs = as_inputs(example)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # The inputs stay real, as on every stage (each has them): what the forward computes from
+    # them alone (masks, positions, checks that skip fake tensors) it computes for real, as
+    # the stages will; only what the model's own tensors enter is fake. A model on the meta
+    # device is planned all fake instead (its glue would mix meta and real tensors).
+    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     model = planning_copy(model, mode)
     if training is not None:
         model.train(training)
     names = _names(model)
 
     def fake(inputs: Inputs) -> Inputs:
+        if not on_meta:
+            return inputs
         return pytree.tree_map_only(Tensor, mode.from_tensor, inputs)  # type: ignore[no-any-return]
 
     identities = Identities()
-    with mode, ShapeRules():
+    with mode if on_meta else nullcontext(), ShapeRules():
         events = _record(model, fake((args, kwargs)))
         starts = _boundaries(model, events, list(split_points))
         atom_starts, glue = _atoms(events, starts, names)
         stages = [bisect.bisect_right(starts, s) for s in atom_starts]
         atoms = [events[s] for s in atom_starts]
         count = len(starts) + 1
+        empty = sorted(set(range(count)) - set(stages))
+        if empty and count > 1:
+            raise ValueError(
+                f"split_points {list(split_points)!r} must be modules where a new stage begins, "
+                f"each called after the one before: stage {empty[0]} would run no module of its "
+                "own (a split point at the first module the forward calls leaves stage 0 empty)"
+            )
         planner = _Planner(model, atoms, stages, count, names, identities)
         install(a.module for a in atoms)
         fake_args, fake_kwargs = fake((args, kwargs))

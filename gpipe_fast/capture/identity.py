@@ -86,8 +86,11 @@ def op_name(func: Callable[..., Any]) -> str:
     if qualname.endswith(".__get__"):
         owner = getattr(func, "__self__", None)
         return f"Tensor.{getattr(owner, '__name__', qualname)}"
+    for prefix, name in (("_VariableFunctionsClass.", "torch."), ("TensorBase.", "Tensor.")):
+        if qualname.startswith(prefix):
+            return name + qualname[len(prefix) :]
     module = getattr(func, "__module__", None)
-    return f"{module}.{qualname}" if module and module != "torch" else qualname
+    return f"{module}.{qualname}" if module else qualname
 
 
 def in_place(name: str) -> bool:

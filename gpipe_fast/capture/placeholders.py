@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from gpipe_fast.capture.copies import fake_memo, fake_of, quiet, shapes_only
+from gpipe_fast.capture.copies import ShapeRules, fake_memo, fake_of, quiet, shapes_only
 
 
 def describe(leaf: Any) -> Any:
@@ -75,12 +75,17 @@ class Placeholders:
             shadow = self.shadow(module, fqn)
             if shadow.training != training:
                 shadow.train(training)
-            with shapes_only(self.mode):
-                fakes = [self.mode.from_tensor(t) if is_real(t) else t for t in leaves]
-                if stand_in is not None:  # all on meta, as the module's own tensors are
+            if stand_in is None:
+                # Its arguments as they are: what it computes from real ones alone (a mask from
+                # the inputs) it computes for real, as its own stage does; the rest is fake.
+                with ShapeRules(), torch.no_grad():
+                    out = shadow(*args, **kwargs)
+            else:  # all on meta, as the module's own tensors are
+                with shapes_only(self.mode):
+                    fakes = [self.mode.from_tensor(t) if is_real(t) else t for t in leaves]
                     fakes = [t.to("meta") if isinstance(t, Tensor) else t for t in fakes]
-                fake_args, fake_kwargs = pytree.tree_unflatten(fakes, spec)
-                out = shadow(*fake_args, **fake_kwargs)
+                    fake_args, fake_kwargs = pytree.tree_unflatten(fakes, spec)
+                    out = shadow(*fake_args, **fake_kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
             described = [
                 describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves
