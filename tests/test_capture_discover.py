@@ -33,7 +33,11 @@ def test_a_value_made_between_modules_is_taken_where_glue_makes_it() -> None:
     (route,) = _crossing(plan)
     value = plan.values[route.value]
     assert (route.producer, route.consumers, route.floating) == (0, [1], True)
-    assert value.kind == "op" and "the output of add" in value.what and "after 'a' (call 0)" in value.what
+    assert (
+        value.kind == "op"
+        and "the output of add" in value.what
+        and "after 'a' (call 0)" in value.what
+    )
     assert plan.atoms == [["a"], ["b"]]
     # The model's input reaches every other stage, which runs the forward on it too.
     assert plan.routes["input:0"].consumers == [1] and plan.tensor_inputs == ["0"]

@@ -53,7 +53,9 @@ def test_a_value_keeps_its_key_when_other_ops_run_beside_it() -> None:
 
 def test_shapes_do_not_enter_a_key_and_other_constants_do() -> None:
     identities = Identities()
-    plan, want = _keys(identities, True, lambda x: x.reshape(x.shape[0], -1) * 0.5, torch.randn(2, 3))
+    plan, want = _keys(
+        identities, True, lambda x: x.reshape(x.shape[0], -1) * 0.5, torch.randn(2, 3)
+    )
     stage, got = _keys(identities, False, lambda x: x.reshape(x.shape[0], -1) * 0.5,
                        torch.randn(5, 3))  # fmt: skip
     assert stage.keys.of(got) == plan.keys.of(want)

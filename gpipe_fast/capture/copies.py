@@ -23,9 +23,23 @@ _HOOK_SETS = (
 
 
 def fake_memo(model: nn.Module, mode: FakeTensorMode) -> dict[int, Any]:
-    """A deepcopy memo that copies each of the model's parameters and buffers as `mode`'s
-    fake tensor: a module copied with it computes shapes alone, and writes only to itself."""
-    return {id(t): fake_of(t, mode) for t in [*model.parameters(), *model.buffers()]}
+    """A deepcopy memo that copies each of the model's parameters, buffers and tensors kept
+    as attributes as `mode`'s fake tensor (a module copied with it computes shapes alone, and
+    writes only to itself), and each module's hooks as the model's own alone (the user's do
+    not reach the copy: a hook's state is not copied, and it never fires on a copy)."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None and id(tensor) not in memo:
+                memo[id(tensor)] = fake_of(tensor, mode)
+        for value in list(module.__dict__.values()):
+            if isinstance(value, Tensor) and id(value) not in memo:
+                memo[id(value)] = fake_of(value, mode)
+        for attribute in _HOOKS:
+            hooks = module.__dict__.get(attribute)
+            if hooks is not None:
+                memo[id(hooks)] = OrderedDict((k, h) for k, h in hooks.items() if model_hook(h))
+    return memo
 
 
 def fake_of(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
