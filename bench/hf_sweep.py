@@ -91,12 +91,10 @@ SIZES: dict[str, Any] = {
     "max_inference_chunksize": 64,
 }  # fmt: skip
 # Where a model reads a field otherwise (DeepSeek's head_dim is its rotary part's).
-PER_MODEL: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {"head_dim": 4}, "deepseek_v32": {"head_dim": 4}, "glm4_moe_lite": {"head_dim": 4},
-    "glm_moe_dsa": {"head_dim": 4}, "longcat_flash": {"head_dim": 4}, "kimi_linear": {"head_dim": 4},
-    "mimo_v2_flash": {"head_dim": 4}, "sarvam_mla": {"head_dim": 4}, "youtu": {"head_dim": 4},
-    "deepseek_v4": {"head_dim": 4},
-}  # fmt: skip
+ROTARY_HEAD_DIM = ["deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe_lite",
+                   "glm_moe_dsa", "longcat_flash", "kimi_linear", "mimo_v2_flash", "sarvam_mla",
+                   "youtu"]  # fmt: skip
+PER_MODEL: dict[str, dict[str, Any]] = {name: {"head_dim": 4} for name in ROTARY_HEAD_DIM}
 # A tiny config that still builds a large model (a field this list does not shrink) is
 # listed as not built rather than run.
 MAX_PARAMETERS = 3_000_000
@@ -135,12 +133,16 @@ def _shrunk(defaults: dict[str, Any]) -> dict[str, Any]:
     for key, value in defaults.items():
         if key in SIZES and not isinstance(value, dict):
             overrides[key] = SIZES[key]
-        elif isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")
-                                           or "drop_path" in key or key == "layerdrop"):  # fmt: skip
+        elif isinstance(value, float) and _drops(key):
             overrides[key] = 0.0
         elif isinstance(value, dict) and "model_type" in value:
             overrides[key] = {**value, **_shrunk(value)}
     return overrides
+
+
+def _drops(key: str) -> bool:
+    """Whether a config field is a probability of dropping something."""
+    return "dropout" in key or key.endswith("_pdrop") or "drop_path" in key or key == "layerdrop"
 
 
 def tiny_config(model_type: str) -> Any:
@@ -293,7 +295,7 @@ def run_case(family: str, model: nn.Module, points: list[str], schedule: str) ->
         if _ours(error):
             return Outcome("refused", str(error))
         return Outcome("error", f"{type(error).__name__}: {error}")
-    except Exception as error:  # noqa: BLE001 - every failure is a result here
+    except Exception as error:
         return Outcome("error", f"{type(error).__name__}: {_first_line(error)}")
     finally:
         if pipe is not None:
@@ -346,7 +348,7 @@ def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> R
             batch = inputs(family, model, MICRO, 0)
             model_splits = splits(family, model, batch)
             _logits(model(**batch))
-        except Exception as error:  # noqa: BLE001 - a model that cannot be built is listed
+        except Exception as error:
             row.built = f"{type(error).__name__}: {_first_line(error)}"[:150]
             return row
         for split, schedule in CASES:
@@ -373,12 +375,15 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _exact(row: Row) -> bool:
+    return all(o.status in ("exact", "n/a") for o in row.outcomes.values())
+
+
 def totals(rows: list[Row]) -> dict[str, Any]:
     ran = [r for r in rows if not r.built]
     outcomes = [o for r in ran for o in r.outcomes.values() if o.status != "n/a"]
     decoders = [r for r in ran if r.family == "causal"]
-    exact_decoders = [r for r in decoders
-                      if all(o.status in ("exact", "n/a") for o in r.outcomes.values())]  # fmt: skip
+    exact_decoders = [r for r in decoders if _exact(r)]
     return {
         "architectures": len(rows),
         "ran": len(ran),
@@ -387,7 +392,7 @@ def totals(rows: list[Row]) -> dict[str, Any]:
         **{
             status: sum(o.status == status for o in outcomes)
             for status in ("exact", "off", "refused", "error")
-        },  # fmt: skip
+        },
         "decoder LMs exact at every split": f"{len(exact_decoders)} of {len(decoders)}",
     }
 

@@ -65,6 +65,29 @@ SLOW: dict[str, Rule] = {
     "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_at_pp2_by_dp2": True,
     # bench/any_model.py at toy size: both libraries across two processes.
     "test_bench_any_model.py": True,
+    # Splits anywhere: the head and inside a layer in the fast suite.
+    "test_any_model.py::test_any_module_the_forward_calls_is_a_split_point": lambda case: (
+        case["points"] not in (["lm_head"], ["model.layers.2.mlp"])
+    ),
+    "test_any_model.py::test_a_split_at_the_first_decoder_layer_is_exact": _not(model_name="bart"),
+    "test_any_model.py::test_every_rank_names_a_tied_parameter_as_the_plain_model": _not(
+        model="gpt2"
+    ),
+    "test_any_model_modes.py::test_an_encoders_dropout_follows_the_pipes_mode": lambda case: (
+        len(case["points"]) > 1
+    ),
+    "test_any_model_modes.py::test_transformer_encoder_in_evaluation_with_a_padding_mask": (
+        lambda case: case["point"] != "encoder.layers.1" or case["grad_off"].__name__ != "no_grad"
+    ),
+    "test_any_model_moe.py::test_the_auxiliary_router_loss_is_exact": lambda case: (
+        case["points"] != ["model.layers.2"]
+    ),
+    # bench/hf_sweep.py: a few architectures in the fast suite (LLaMA, BART), the whole
+    # sweep of transformers' auto mappings (hundreds of models, an hour) in the full one.
+    "test_hf_sweep.py::test_a_few_architectures_are_exact_at_every_split": _not(
+        model_type=("llama", "bart")
+    ),
+    "test_hf_sweep.py::test_every_architecture_of_the_auto_mappings": True,
     "test_any_model.py::test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched": (
         _not(schedule="1f1b")
     ),

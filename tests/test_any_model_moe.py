@@ -22,9 +22,10 @@ VOCAB = 64
 def _mixtral(dtype: torch.dtype, experts: str | None, **config: Any) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-                    num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)  # fmt: skip
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    use_cache=False, num_local_experts=4, num_experts_per_tok=2,
+                    router_jitter_noise=0.0)  # fmt: skip
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(**settings, **config)).to(dtype)
     if experts is not None:
@@ -36,8 +37,8 @@ def _per_micro_batch(plain: nn.Module, batch: dict[str, torch.Tensor], chunks: i
     """The plain model's loss on each micro-batch in turn, backward each (the auxiliary loss is
     not linear in the batch: a pipe, as gradient accumulation, computes it per micro-batch)."""
     total = 0.0
-    parts = [dict(zip(batch, values, strict=True))
-             for values in zip(*(v.chunk(chunks) for v in batch.values()), strict=True)]  # fmt: skip
+    columns = zip(*(v.chunk(chunks) for v in batch.values()), strict=True)
+    parts = [dict(zip(batch, values, strict=True)) for values in columns]
     for part in parts:
         loss = plain(**part).loss * len(part["input_ids"]) / len(batch["input_ids"])
         loss.backward()

@@ -248,10 +248,9 @@ class GPipe(nn.Module):
                 "dp_shard: a weight tied between two cells of one process cannot be sharded "
                 "yet (both cells' FSDP units would hold it; ties across processes can): "
                 + "; ".join(
-                    " = ".join(
-                        f"cell {k}'s {self._place_key(name)} (rank {layout.global_rank(k)})"
-                        for k, name in t.places
-                    )
+                    " = ".join(f"cell {k}'s {self._place_key(name)}" for k, name in t.places)
+                    + f" (cells {', '.join(map(str, t.cells))} on position "
+                    + f"{sorted({layout.stage_rank(k) for k in t.cells})} of pp_group)"
                     for t in shared_in_a_process
                 )
             )

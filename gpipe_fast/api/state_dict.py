@@ -58,8 +58,8 @@ class MergedStages:
     def __getattr__(self, name: str) -> Any:
         found = [m for h in self._holders if (m := h._modules.get(name)) is not None]
         if not found:  # a tensor a container holds (a stage's copy of a glue parameter)
-            tensors = [t for h in self._holders
-                       if (t := h._parameters.get(name, h._buffers.get(name))) is not None]  # fmt: skip
+            tensors = [h._parameters.get(name, h._buffers.get(name)) for h in self._holders]
+            tensors = [t for t in tensors if t is not None]
             if tensors:
                 return tensors[0]
             raise AttributeError(name)

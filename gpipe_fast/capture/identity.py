@@ -1,14 +1,15 @@
 """Value identity: each tensor the glue makes or reads is known by what it is, never by count.
 
 It is computed the same way in the plan and on every stage, so a value that crosses stages is
-matched where it is made and where it is put. A tensor's key is interned from its structure: a model input by name; a parameter or buffer by
-name; an atom's output by (call, leaf); an output of a module inside an atom by (call, module,
-nth call, leaf); a glue op's output by (op, its inputs' keys, its other arguments, how many
-such ops came before, leaf). Integers are left out of an op's other arguments (they are shapes,
-which change with the micro-batch), and so are devices (a stage's are not the plan's): extra
-ops on one side (a check that runs on real tensors only, a `.device` read) leave every other
-key as it is. The planner interns new structures; a stage only looks them up, so a value the
-plan never saw has no key (None), nor has anything made from it.
+matched where it is made and where it is put. A tensor's key is interned from its structure:
+a model input by name; a parameter or buffer by name; an atom's output by (call, leaf); an
+output of a module inside an atom by (call, module, nth call, leaf); a glue op's output by (op,
+its inputs' keys, its other arguments, how many such ops came before, leaf). Integers are left
+out of an op's other arguments (they are shapes, which change with the micro-batch), and so
+are devices (a stage's are not the plan's): extra ops on one side (a check that runs on real
+tensors only, a `.device` read) leave every other key as it is. The planner interns new
+structures; a stage only looks them up, so a value the plan never saw has no key (None), nor
+has anything made from it.
 """
 
 from __future__ import annotations

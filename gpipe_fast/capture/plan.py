@@ -1,5 +1,4 @@
-"""A model's capture plan: its atom calls in order, the values that cross stages, and what each
-stage holds of the glue's own tensors."""
+"""A model's capture plan: its atom calls, the values that cross stages, what each stage holds."""
 
 from __future__ import annotations
 
