@@ -1,6 +1,8 @@
-"""A model's plans by mode: the forward in training and in evaluation mode is not the same
-program (dropout returns its input as it is in evaluation), so each mode has its plan, made
-when first needed, its routes named as the first plan's (the stages' wire and skips)."""
+"""A model's plans by mode (training, evaluation), each made when first needed.
+
+The forward in training and in evaluation mode is not the same program (dropout returns its
+input as it is in evaluation), so each mode has its plan, its routes named as the first plan's
+(the stages' wire and skips)."""
 
 from __future__ import annotations
 
