@@ -145,3 +145,30 @@ def test_a_hook_on_a_module_outside_a_pipe_is_the_modules_own() -> None:
         assert len(seen) == 1 and not isinstance(seen[0], FakeTensor)
     finally:
         pipe.close()
+
+
+class _Spanning(nn.Module):
+    """`inner` spans both stages (split at inner.1): glue, which every stage runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.a(x))
+
+
+def test_a_hook_reading_a_placeholder_on_a_spanning_module_is_an_error_naming_it() -> None:
+    model = _Spanning().double()
+    pipe = gf.pipeline(model, torch.randn(2, 4, dtype=torch.float64), ["inner.1"],
+                       devices=["cpu", "cpu"], chunks=2)  # fmt: skip
+    # Its input is a's output, which stage 1 holds only as a placeholder.
+    model.inner.register_forward_pre_hook(lambda m, args: print(args[0].sum().item()))
+    try:
+        with pytest.raises(RuntimeError, match=r"on stage 1 .* reads the values of a tensor "
+                           r"inside 'inner' \(its forward or a hook of it\)"):  # fmt: skip
+            pipe.train_step(torch.randn(4, 4, dtype=torch.float64), None,
+                            lambda out, _: out.sum())  # fmt: skip
+    finally:
+        pipe.close()

@@ -171,7 +171,8 @@ def test_a_stage_reading_the_values_of_a_placeholder_is_an_error_naming_where() 
     model.read = True
     try:
         with pytest.raises(RuntimeError, match=r"on stage 1 the model's forward reads the "
-                           r"values of a tensor after 'a' \(call 0\) was called"):  # fmt: skip
+                           r"values of a tensor inside 'the model' \(its forward or a hook of "
+                           r"it\) after 'a' \(call 0\) was called"):  # fmt: skip
             pipe.train_step(torch.randn(4, 4, dtype=torch.float64), None, _square)
     finally:
         pipe.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -48,19 +49,17 @@ class _StageRun(KeyedRun):
         super().__init__(plan.identities, add=False)
         self.cell, self.plan, self.stage = cell, plan, cell.stage
         self.received = received
-        self.takes, self.puts = plan.takes(cell.stage), plan.puts(cell.stage)
-        self.wanted = len(set(self.takes.values()))
+        sites = cell.sites(plan)
+        self.takes, self.puts, self.out_calls = sites.takes, sites.puts, sites.out_calls
+        self.wanted = sites.wanted
         self.captured: dict[str, Tensor | None] = {}
         self.atom_modules = cell.atom_modules(plan)
         self.next = 0
-        self.own_left = plan.own_calls(cell.stage)
+        self.own_left = sites.own_calls
         self.current_call: int | None = None
         self.sub_calls: dict[str, int] = {}
-        self.out_calls = {plan.values[k].call for k in (*self.takes, *self.puts)
-                          if plan.values[k].kind == "out"}  # fmt: skip
         self.substitutes = cell.substitutes(plan)
-        kinds = {plan.values[k].kind for k in (*self.takes, *self.puts)}
-        self.glue = "op" in kinds or bool(self.substitutes)
+        self.glue = sites.glue_ops or bool(self.substitutes)
         if self.glue:
             self._key_what_every_stage_has(inputs)
 
@@ -230,6 +229,28 @@ class _StageRun(KeyedRun):
         return f"after {call.fqn!r} (call {call.index}) was called"
 
 
+@dataclass(frozen=True)
+class _Sites:
+    """What one stage takes and puts under one plan (value key -> route key), found once."""
+
+    takes: dict[int, str]
+    puts: dict[int, str]
+    wanted: int  # how many routes it takes for others
+    own_calls: int  # how many of its calls are its own atoms'
+    out_calls: frozenset[int]  # the calls whose outputs it takes or puts
+    glue_ops: bool  # whether it takes or puts a value a glue op makes (it keys the glue then)
+
+    @classmethod
+    def of(cls, plan: Plan, stage: int) -> _Sites:
+        takes, puts = plan.takes(stage), plan.puts(stage)
+        values = [plan.values[k] for k in (*takes, *puts)]
+        return cls(
+            takes, puts, len(set(takes.values())), plan.own_calls(stage),
+            frozenset(v.call for v in values if v.kind == "out"),
+            any(v.kind == "op" for v in values),
+        )  # fmt: skip
+
+
 class StageCell(nn.Module):
     """Stage `stage` of `model` cut by `plans`: the layer of one cell (made skippable per stage
     by stage_cells). Its submodules are the stage's atoms at their places in the model, and
@@ -254,6 +275,7 @@ class StageCell(nn.Module):
         self.placeholders.on_shadow = self._hook_shadow
         self._atoms: dict[int, list[nn.Module]] = {}
         self._sides: dict[int, set[int]] = {}
+        self._sites: dict[int, _Sites] = {}
         self._hooked: set[tuple[str, bool]] = set()
         consumed = plan.consumed_by(stage)
         # From the stage just before: the boundary value; from further back: skips.
@@ -275,6 +297,12 @@ class StageCell(nn.Module):
             plain = first.get(id(param), name)
             if plain != name and _tensor_at(self, plain) is None:
                 _place_tensor(self, model, plain)
+
+    def sites(self, plan: Plan) -> _Sites:
+        found = self._sites.get(id(plan))
+        if found is None:
+            found = self._sites[id(plan)] = _Sites.of(plan, self.stage)
+        return found
 
     def atom_modules(self, plan: Plan) -> list[nn.Module]:
         """The modules of `plan`'s calls, given the dispatching call."""
@@ -350,11 +378,13 @@ class StageCell(nn.Module):
             except _StageDone:
                 pass
             except (DataDependentOutputException, DynamicOutputShapeException) as error:
+                inside = _innermost_module(error, self._model)
                 raise RuntimeError(
                     f"gpipe_fast.pipeline: on stage {self.stage} the model's forward reads the "
-                    f"values of a tensor {run.where()} ({error}), and this stage holds it only "
-                    "as a placeholder: another stage computes it (a hook that reads values on a "
-                    "module that spans stages, or a branch on data the plan did not see)"
+                    f"values of a tensor{inside} {run.where()} ({error}), and this stage holds "
+                    "it only as a placeholder: another stage computes it (a hook that reads "
+                    "values on a module that spans stages, or a branch on data the plan did "
+                    "not see)"
                 ) from error
         run.finish()
         captured = run.captured
@@ -376,6 +406,22 @@ def _side_hook(cell: StageCell, name: str, deliver: bool) -> Callable[..., Any]:
         return run.side_output(name, output, deliver)
 
     return hook
+
+
+def _innermost_module(error: BaseException, model: nn.Module) -> str:
+    """ " inside '<name>'": the innermost of the model's modules whose call (its forward or a
+    hook of it) the error left, from its traceback; "" where there is none."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = ""
+    trace = error.__traceback__
+    while trace is not None:
+        frame = trace.tb_frame
+        if frame.f_code is nn.Module._call_impl.__code__:
+            name = names.get(id(frame.f_locals.get("self")))
+            if name is not None:
+                found = f" inside {name or 'the model'!r} (its forward or a hook of it)"
+        trace = trace.tb_next
+    return found
 
 
 def _check_real(tree: Any, what: str, stage: int) -> None:
