@@ -181,3 +181,32 @@ def test_transformer_encoder_in_evaluation_with_a_padding_mask(point: str, grad_
         torch.testing.assert_close(got[~pad], want[~pad], rtol=1e-10, atol=1e-10)
     finally:
         pipe.close()
+
+
+def modes_across(rank: int, world: int) -> dict[str, Any]:
+    """A Cluster case: _GlueDropout at pp=2, pipe.eval() on each rank: the loss of an
+    eval_step and the plain model's in evaluation mode, and pipe.training on this rank."""
+    from dist_cases import groups
+
+    pp_group, _, _ = groups(2, 1)
+    torch.manual_seed(0)
+    model = _GlueDropout().double()
+    plain = copy.deepcopy(model).eval()
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
+    pipe = gf.pipeline(model, ids[:2], ["layers.1"], chunks=4, pp_group=pp_group, timeout=60)
+    try:
+        pipe.eval()
+        with torch.no_grad():
+            loss = pipe.eval_step(ids, ids, _lm_loss).item()
+        return {"loss": loss, "plain": _lm_loss(plain(ids), ids).item(),
+                "training": pipe.training or model.training}  # fmt: skip
+    finally:
+        pipe.close()
+
+
+def test_eval_reaches_the_glue_on_every_rank(two: Any) -> None:
+    from cluster import values
+
+    for got in values(two.run("test_any_model_modes.modes_across")):
+        assert not got["training"]
+        assert got["loss"] == pytest.approx(got["plain"], rel=EXACT)

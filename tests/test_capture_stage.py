@@ -195,3 +195,41 @@ def test_a_forward_calling_its_modules_in_another_order_is_an_error_naming_both(
             pipe.train_step(torch.randn(4, 4, dtype=torch.float64), None, _square)
     finally:
         pipe.close()
+
+
+def own_tensors_across(rank: int, world: int) -> dict[str, Any]:
+    """A Cluster case: _OwnTensors at pp=2, whose glue parameter both ranks read: this rank's
+    gradients by name, and the plain model's."""
+    from dist_cases import groups
+
+    pp_group, _, _ = groups(2, 1)
+    torch.manual_seed(0)
+    model = _OwnTensors().double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    pipe = gf.pipeline(model, x[:2], ["b"], chunks=CHUNKS, schedule="1f1b", pp_group=pp_group,
+                       timeout=60)  # fmt: skip
+    try:
+        loss = pipe.train_step(x, None, _square)
+    finally:
+        pipe.close()
+    _square(plain(x), None).backward()
+    return {
+        "loss": loss.item(),
+        "plain": _square(plain(x), None).item(),
+        "grads": {n: p.grad.tolist() for n, p in pipe.named_parameters()},
+        "want": {n: p.grad.tolist() for n, p in plain.named_parameters()},
+    }
+
+
+def test_the_glues_own_parameter_read_on_two_ranks_is_tied_across_them(two: Any) -> None:
+    from cluster import values
+
+    ranks = values(two.run("test_capture_stage.own_tensors_across"))
+    assert {n for r in ranks for n in r["grads"]} == set(ranks[0]["want"])
+    assert "scale" in ranks[0]["grads"] and "scale" in ranks[1]["grads"]
+    for got in ranks:
+        assert got["loss"] == pytest.approx(got["plain"], rel=EXACT)
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(torch.tensor(grad), torch.tensor(got["want"][name]),
+                                       rtol=EXACT, atol=1e-15)  # fmt: skip
