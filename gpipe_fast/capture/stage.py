@@ -167,8 +167,15 @@ class _StageRun(KeyedRun):
     # -- taking and putting ------------------------------------------------------------------
 
     def _sites(self, key: Key, tensor: Tensor) -> Tensor:
-        if key is None:
+        if key is None or (key not in self.puts and key not in self.takes):
             return tensor
+        value = self.plan.values[key]
+        if value.kind == "op" and value.call != self.next:
+            raise RuntimeError(
+                f"gpipe_fast.pipeline: on stage {self.stage} the model's forward makes "
+                f"{value.what} after {self.next} module calls, where its plan has it after "
+                f"{value.call}: the stages' runs of the forward differ from the plan's"
+            )
         if key in self.puts:
             tensor = self._put(key, tensor)
             if self.glue:
