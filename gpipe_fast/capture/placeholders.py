@@ -76,10 +76,13 @@ class Placeholders:
             if shadow.training != training:
                 shadow.train(training)
             if stand_in is None:
-                # Its arguments as they are: what it computes from real ones alone (a mask from
-                # the inputs) it computes for real, as its own stage does; the rest is fake.
+                # Real arguments stay real (copies: the copy may write them): what it computes
+                # from them alone (a mask from the inputs) it computes for real, as its own
+                # stage does; the rest is fake.
+                copies = [t.detach().clone() if is_real(t) else t for t in leaves]
+                copied_args, copied_kwargs = pytree.tree_unflatten(copies, spec)
                 with ShapeRules(), torch.no_grad():
-                    out = shadow(*args, **kwargs)
+                    out = shadow(*copied_args, **copied_kwargs)
             else:  # all on meta, as the module's own tensors are
                 with shapes_only(self.mode):
                     fakes = [self.mode.from_tensor(t) if is_real(t) else t for t in leaves]

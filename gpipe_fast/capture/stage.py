@@ -146,6 +146,8 @@ class _StageRun(KeyedRun):
                     leaves[j], changed = self._put(key, leaf), True
                 elif not deliver and key in self.takes:
                     self._take(key, leaf)
+                if self.glue:
+                    self.keys.set(leaves[j], key)
         return pytree.tree_unflatten(leaves, spec) if changed else None
 
     # -- glue ops ----------------------------------------------------------------------------
