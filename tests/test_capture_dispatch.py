@@ -172,3 +172,23 @@ def test_a_hook_reading_a_placeholder_on_a_spanning_module_is_an_error_naming_it
                             lambda out, _: out.sum())  # fmt: skip
     finally:
         pipe.close()
+
+
+def test_a_hook_for_every_module_never_sees_a_fake_copy() -> None:
+    seen: list[Any] = []
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        seen.extend(t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, Tensor))
+
+    model = cases.llama()
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        pipe = _pipe(model)
+        try:
+            batch = {"input_ids": cases.tokens(8, 8, 1)}
+            pipe.train_step(batch, batch["input_ids"], cases.any_loss)
+        finally:
+            pipe.close()
+    finally:
+        handle.remove()
+    assert seen and not any(isinstance(t, FakeTensor) for t in seen)

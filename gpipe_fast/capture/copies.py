@@ -82,9 +82,9 @@ def model_hook(hook: Any) -> bool:
 
 
 def quiet(module: nn.Module) -> None:
-    """A copy made quiet: none of the user's hooks fires on it (the model's own stay), its own
-    call is torch's, and its TransformerEncoders do not take the nested-tensor fast path
-    (fake tensors cannot be nested; the output's shape is the same)."""
+    """A copy made quiet: none of the user's hooks fires on it (the model's own stay), nor any
+    hook registered for every module, and its TransformerEncoders do not take the
+    nested-tensor fast path (fake tensors cannot be nested; the output's shape is the same)."""
     for owner in module.modules():
         for attribute in _HOOKS:
             hooks = getattr(owner, attribute, None)
@@ -96,9 +96,42 @@ def quiet(module: nn.Module) -> None:
             if ids:
                 live = {*owner._forward_hooks, *owner._forward_pre_hooks}
                 setattr(owner, attribute, {k: v for k, v in ids.items() if k in live})
-        owner.__dict__.pop("_compiled_call_impl", None)
+        owner._compiled_call_impl = _OwnCall(owner)
         if isinstance(owner, nn.TransformerEncoder):
             owner.use_nested_tensor = False
+
+
+class _OwnCall:
+    """A copy's module called (as its `_compiled_call_impl`, which `module(...)` calls first):
+    its forward between its own hooks, which quiet() left to the model's, and none of those
+    registered for every module (`register_module_forward_hook`: the user's, which would see
+    fake tensors)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if key in module._forward_pre_hooks_with_kwargs:
+                changed = hook(module, args, kwargs)
+                if changed is not None:
+                    args, kwargs = changed
+            else:
+                changed = hook(module, args)
+                if changed is not None:
+                    args = changed if isinstance(changed, tuple) else (changed,)
+        output = module.forward(*args, **kwargs)
+        for key, hook in list(module._forward_hooks.items()):
+            if key in module._forward_hooks_with_kwargs:
+                changed = hook(module, args, kwargs, output)
+            else:
+                changed = hook(module, args, output)
+            if changed is not None:
+                output = changed
+        return output
 
 
 class ShapeRules(TorchDispatchMode):
