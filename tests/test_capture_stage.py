@@ -233,3 +233,29 @@ def test_the_glues_own_parameter_read_on_two_ranks_is_tied_across_them(two: Any)
         for name, grad in got["grads"].items():
             torch.testing.assert_close(torch.tensor(grad), torch.tensor(got["want"][name]),
                                        rtol=EXACT, atol=1e-15)  # fmt: skip
+
+
+class _Twin(nn.Module):
+    """Returns its input as it is beside its result, as MobileBERT's bottleneck does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.lin(x), x
+
+
+class _PassesOn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.twin, self.c = nn.Linear(4, 4), _Twin(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        y, same = self.twin(h)
+        return self.c(y + same) * h  # the input passed on and the original: one value
+
+
+def test_a_module_passing_its_input_on_gives_the_same_value_on_every_stage() -> None:
+    _check_exact(_PassesOn, ["c"])

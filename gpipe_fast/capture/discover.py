@@ -346,8 +346,9 @@ class _Planner(KeyedRun):
                 output = call(*args, **kwargs)
         finally:
             self.inside_call = None
+        given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         for j, leaf in enumerate(pytree.tree_leaves(output)):
-            if isinstance(leaf, Tensor):
+            if isinstance(leaf, Tensor) and id(leaf) not in given:  # (its input passed on)
                 what = f"output {j} of {fqn!r} (call {i})"
                 value = Value(0, "out", what, frozenset({stage}), dtype=leaf.dtype, call=i, leaf=j)
                 self.keyed(leaf, ("out", i, j), value)

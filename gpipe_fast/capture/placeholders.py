@@ -90,9 +90,15 @@ class Placeholders:
                     fake_args, fake_kwargs = pytree.tree_unflatten(fakes, spec)
                     out = shadow(*fake_args, **fake_kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
+            # An input the module passes on is that input again (its leaf's index), as it is
+            # where the module runs for real.
+            passed = {id(t): i for i, t in enumerate(copies if stand_in is None else fakes)
+                      if isinstance(t, Tensor)}  # fmt: skip
             described = [
-                describe(leaf) if isinstance(leaf, Tensor) else leaf for leaf in out_leaves
-            ]
+                ("input", passed[id(leaf)]) if id(leaf) in passed
+                else describe(leaf) if isinstance(leaf, Tensor) else leaf
+                for leaf in out_leaves
+            ]  # fmt: skip
             if stand_in is not None:  # what the glue would get from that stage: on this one's
                 described = [(d[0], d[1], stand_in) if _is_tensor_description(d) else d
                              for d in described]  # fmt: skip
@@ -100,9 +106,10 @@ class Placeholders:
         described, out_spec = found
         with self.mode:
             made = [
-                torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d) else d
+                torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d)
+                else leaves[d[1]] if _is_passed(d) else d
                 for d in described
-            ]
+            ]  # fmt: skip
         return pytree.tree_unflatten(made, out_spec)
 
 
@@ -116,6 +123,10 @@ def _all_fake(module: nn.Module, mode: FakeTensorMode) -> None:
         for name, buffer in owner._buffers.items():
             if buffer is not None and not isinstance(buffer, FakeTensor):
                 owner._buffers[name] = fake_of(buffer, mode)
+
+
+def _is_passed(described: Any) -> bool:
+    return isinstance(described, tuple) and len(described) == 2 and described[0] == "input"
 
 
 def _is_tensor_description(described: Any) -> bool:

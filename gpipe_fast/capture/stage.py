@@ -111,15 +111,16 @@ class _StageRun(KeyedRun):
         finally:
             self.current_call = None
         if self.glue or i in self.out_calls:
-            out = self._atom_output(i, out)
+            given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+            out = self._atom_output(i, out, given)
         self._check_done()
         return out
 
-    def _atom_output(self, i: int, out: Any) -> Any:
+    def _atom_output(self, i: int, out: Any, given: set[int]) -> Any:
         leaves, spec = pytree.tree_flatten(out)
         changed = False
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor):
+            if isinstance(leaf, Tensor) and id(leaf) not in given:  # (its input passed on)
                 key = self.keys.intern(("out", i, j))
                 if self.glue:
                     self.keys.set(leaf, key)
