@@ -346,6 +346,7 @@ def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> R
         try:
             model = build(family, model_type)
             batch = inputs(family, model, MICRO, 0)
+            pristine = copy.deepcopy(model)  # a forward may leave tensors in its modules
             model_splits = splits(family, model, batch)
             _logits(model(**batch))
         except Exception as error:
@@ -358,7 +359,7 @@ def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> R
             if points is None:
                 row.outcomes[(split, schedule)] = Outcome("n/a")
                 continue
-            row.outcomes[(split, schedule)] = run_case(family, model, points, schedule)
+            row.outcomes[(split, schedule)] = run_case(family, pristine, points, schedule)
     return row
 
 
