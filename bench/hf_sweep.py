@@ -113,7 +113,7 @@ class Outcome:
         if self.status == "n/a":
             return ""
         detail = self.detail.replace("|", "/").replace("\n", " ")
-        return f"{self.status}: {detail[:90]}"
+        return f"{self.status}: {detail[:300]}"
 
 
 @dataclass
@@ -364,16 +364,26 @@ def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> R
 
 
 def table(rows: list[Row]) -> str:
+    """The markdown table (a cell says exact, off, refused or error; blank: no such split),
+    then why for each cell that is not exact."""
     columns = [c for c in CASES if any(c in r.outcomes and r.outcomes[c].status != "n/a"
                                        for r in rows)]  # fmt: skip
     head = ["family", "model"] + [f"{s} ({k})" for s, k in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    why: dict[tuple[str, str, str], list[str]] = {}  # (model, split, why) -> schedules
     for row in rows:
         if row.built:
             continue
-        cells = [row.outcomes.get(c, Outcome("n/a")).cell() for c in columns]
+        cells = []
+        for split, schedule in columns:
+            outcome = row.outcomes.get((split, schedule), Outcome("n/a"))
+            cells.append("" if outcome.status == "n/a" else outcome.status)
+            if outcome.status not in ("exact", "n/a"):
+                why.setdefault((row.model_type, split, outcome.cell()), []).append(schedule)
         lines.append("| " + " | ".join([row.family, row.model_type, *cells]) + " |")
-    return "\n".join(lines)
+    notes = [f"- {model}, {split} ({', '.join(schedules)}): {reason}"
+             for (model, split, reason), schedules in why.items()]  # fmt: skip
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def _exact(row: Row) -> bool:
