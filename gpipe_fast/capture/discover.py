@@ -255,6 +255,7 @@ class _Planner(KeyedRun):
         self.side_calls: set[int] = set()  # atom calls whose inner modules' outputs are read
         self.inside_call: int | None = None
         self._sub_calls: dict[str, int] = {}
+        self._call_start = 0  # the count of keys given when the atom call now running began
         self._state: dict[int, str] = {}
         for name, tensor in [*model.named_parameters(remove_duplicate=False),
                              *model.named_buffers(remove_duplicate=False)]:  # fmt: skip
@@ -340,7 +341,7 @@ class _Planner(KeyedRun):
         for j, leaf in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, Tensor):
                 self.needs.add(stage, self.key_of(leaf), f"argument {j} of {fqn!r} (call {i})")
-        self.inside_call, self._sub_calls = i, {}
+        self.inside_call, self._sub_calls, self._call_start = i, {}, self.keys.stamp
         try:
             with self.suspended():
                 output = call(*args, **kwargs)
@@ -348,7 +349,10 @@ class _Planner(KeyedRun):
             self.inside_call = None
         given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         for j, leaf in enumerate(pytree.tree_leaves(output)):
-            if isinstance(leaf, Tensor) and id(leaf) not in given:  # (its input passed on)
+            # A value it got and passes on (T5's position bias, block to block) stays what
+            # it was; only what the call made is its output.
+            passed = id(leaf) in given or self.keys.made_by(leaf, self._call_start)
+            if isinstance(leaf, Tensor) and not passed:
                 what = f"output {j} of {fqn!r} (call {i})"
                 value = Value(0, "out", what, frozenset({stage}), dtype=leaf.dtype, call=i, leaf=j)
                 self.keyed(leaf, ("out", i, j), value)
@@ -363,7 +367,7 @@ class _Planner(KeyedRun):
         fqn = self.names.get(id(module), "")
         nth = self._sub_calls[fqn] = self._sub_calls.get(fqn, -1) + 1
         for j, leaf in enumerate(pytree.tree_leaves(output)):
-            if isinstance(leaf, Tensor):
+            if isinstance(leaf, Tensor) and not self.keys.made_by(leaf, self._call_start):
                 what = f"output {j} of {fqn!r} inside {self.calls[i].fqn!r} (call {i})"
                 value = Value(0, "sub", what, frozenset({self.stages[i]}), dtype=leaf.dtype,
                               call=i, name=fqn, nth=nth, leaf=j)  # fmt: skip

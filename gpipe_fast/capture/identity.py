@@ -70,6 +70,11 @@ class Keys:
         found = self._of.get(id(tensor))
         return found[2] if found is not None and found[0]() is tensor else -1
 
+    def made_by(self, tensor: Tensor, stamp: int) -> bool:
+        """Whether `tensor` was keyed when the count of keys given was `stamp` or less (a
+        value that existed before, which a module returns as it got it)."""
+        return 0 <= self.stamp_of(tensor) <= stamp
+
     def set(self, tensor: Tensor, key: Key) -> None:
         self.stamp += 1
         self._of[id(tensor)] = (weakref.ref(tensor), key, self.stamp)

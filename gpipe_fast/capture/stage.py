@@ -91,7 +91,7 @@ class _StageRun(KeyedRun):
             )
         self.next = i + 1
         fqn = plan.calls[i].fqn
-        self.current_call, self.sub_calls = i, {}
+        self.current_call, self.sub_calls, start = i, {}, self.keys.stamp
         try:
             with self.suspended():
                 if self.substitutes:
@@ -112,15 +112,18 @@ class _StageRun(KeyedRun):
             self.current_call = None
         if self.glue or i in self.out_calls:
             given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
-            out = self._atom_output(i, out, given)
+            out = self._atom_output(i, out, given, start)
         self._check_done()
         return out
 
-    def _atom_output(self, i: int, out: Any, given: set[int]) -> Any:
+    def _atom_output(self, i: int, out: Any, given: set[int], start: int) -> Any:
+        """The call's output, its leaves keyed, taken or put; a value it got and passes on
+        stays what it was (as in the plan)."""
         leaves, spec = pytree.tree_flatten(out)
         changed = False
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor) and id(leaf) not in given:  # (its input passed on)
+            passed = id(leaf) in given or (self.glue and self.keys.made_by(leaf, start))
+            if isinstance(leaf, Tensor) and not passed:
                 key = self.keys.intern(("out", i, j))
                 if self.glue:
                     self.keys.set(leaf, key)
