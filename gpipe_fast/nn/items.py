@@ -1,5 +1,6 @@
-"""Losses that average over counted items (tokens whose label is not -100): gf.ItemMean, the
-items each micro-batch counts, and the weights that make the whole batch's mean of them."""
+"""Losses that average over counted items (tokens whose label is not -100): gf.ItemMean.
+
+The items each micro-batch counts, and the weights that make the whole batch's mean of them."""
 
 from __future__ import annotations
 
