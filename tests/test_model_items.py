@@ -130,14 +130,17 @@ def test_two_processes(two: Cluster, name: str, transport: str) -> None:
         cases.check_own_loss(result)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
-def test_pipeline_and_data_parallel_with_lopsided_replicas(four: Cluster, name: str) -> None:
+@pytest.mark.parametrize(("name", "dp_shard"), [("gpt2", False), ("bert", False), ("gpt2", True)])
+def test_pipeline_and_data_parallel_with_lopsided_replicas(
+    four: Cluster, name: str, dp_shard: bool
+) -> None:
     # Replica 0 counts 2 labels a row, replica 1 nearly all: each rank's gradients are those
-    # of the whole global batch, whose mean is over both replicas' items together.
+    # of the whole global batch, whose mean is over both replicas' items together (replicated
+    # stages, or stages sharded over the replicas with FSDP2).
     batches = [cases.lopsided_batch(name, 8, 10, step) for step in range(4)]
     results = values(four.run(
         "items_cases.across", model=name, schedule="1f1b", stages=2, pp=2, batches=batches,
-        accumulate=2, clip=0.05, evaluate=True,
+        dp_shard=dp_shard, accumulate=2, clip=0.05, evaluate=True,
     ))  # fmt: skip
     for result in results:
         cases.check_own_loss(result)
