@@ -210,9 +210,9 @@ class ModelPipe(GPipe):
         last = self._last_stage
         if count is None:
             last.loss_kwargs = {}
-        else:
-            device = self.devices[-1]
-            last.loss_kwargs = {"num_items_in_batch": torch.tensor(count, device=device)}
+        else:  # a tensor, as the Trainer gives it: filled on the device, no copy to wait for
+            count_tensor = torch.full((), count, dtype=torch.int64, device=self.devices[-1])
+            last.loss_kwargs = {"num_items_in_batch": count_tensor}
 
 
 def pipeline(

@@ -6,6 +6,7 @@ count it is given (``num_items_in_batch``), as transformers' Trainer finds out."
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -26,6 +27,8 @@ class ModelLoss:
 def model_loss(model: nn.Module) -> ModelLoss | None:
     """How `model` computes its own loss, for a transformers ``PreTrainedModel``; None for
     any other model (whose loss the pipe cannot know)."""
+    if "transformers" not in sys.modules:  # a model of it has imported it: no import here
+        return None
     try:
         from transformers import PreTrainedModel
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
