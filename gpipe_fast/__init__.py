@@ -30,6 +30,8 @@ from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan
+from gpipe_fast.planning.tune import tune as _tune  # noqa: F401  (installs the tuner of "auto")
+from gpipe_fast.planning.tuning import TunedCandidate, Tuning
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import (
@@ -53,6 +55,8 @@ __all__ = [
     "Plan",
     "TaskSpan",
     "Timeline",
+    "TunedCandidate",
+    "Tuning",
     "balance_by_costs",
     "balance_by_params",
     "balance_by_size",

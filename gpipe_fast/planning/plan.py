@@ -181,6 +181,22 @@ def calibrated_plan(
                  threads=planner.threads(candidate.schedule), call=calibration.call)  # fmt: skip
 
 
+def plan_with_costs(
+    planner: Planner,
+    balance: Sequence[int],
+    candidate: Candidate,
+    costs: Sequence[StageCosts],
+    overhead: float,
+    call: float,
+) -> Plan:
+    """The calibrated plan of `balance` with its cells' task costs as measured, `overhead`
+    seconds per task between them and `call` seconds per step around them."""
+    workers = planner.workers(candidate.schedule)
+    return _plan(planner, list(balance), candidate, workers, costs, overhead,
+                 _spread(costs, balance), threads=planner.threads(candidate.schedule),
+                 call=call)  # fmt: skip
+
+
 def _plan(
     planner: Planner,
     balance: list[int],

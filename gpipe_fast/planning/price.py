@@ -1,0 +1,248 @@
+"""A tuning's candidates, priced by gf.plan: every layout, micro-batch count and checkpoint mode.
+
+A layout is a schedule kind with its cells: a balance (the parameters', the profiled time's,
+the memory's, the pipe's own) or, for gf.pipeline, split points. Each candidate gets gf.plan's
+profiled prediction and memory, and, once steps were measured, a prediction calibrated
+from them (see Fit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpipe_fast import _C
+from gpipe_fast.api.auto import Builder, Config, Layout
+from gpipe_fast.balancing.balance import balance_by_params, partition
+from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate
+from gpipe_fast.planning.plan import Plan, evaluate, plan_with_costs
+from gpipe_fast.planning.planner import Planner
+from gpipe_fast.planning.predict import StageCosts, predict
+from gpipe_fast.planning.search import chunk_counts, memory_balance
+from gpipe_fast.planning.tuning import Fit
+from gpipe_fast.schedule.registry import placement, schedule_kind, schedules
+
+# The most micro-batches tried: beyond, each task is too small to pay for its hand-offs.
+MOST_CHUNKS = 64
+# The optimizer whose state the memory budget counts (the common one; SGD's takes less).
+OPTIMIZER = "adamw"
+
+
+@dataclass(frozen=True)
+class Space:
+    """What a tuning may change: the schedule kinds with their cell counts, whether the cut
+    (balance, split points) is free, the micro-batch counts and checkpoint modes."""
+
+    kinds: list[tuple[str, int]]  # (kind, cells)
+    free_cut: bool
+    chunks: list[int]
+    checkpoints: list[str]
+
+
+def space(pipe: Any, builder: Builder, tuned: Any, *, first: bool, moves: bool,
+          batch: int, layers: int) -> Space:  # fmt: skip
+    """The candidates' space. After the first tuning only chunks and checkpoint change;
+    across processes the cells change ranks only when they may `moves`."""
+    current = _layout(pipe)
+    cells = len(current.balance)
+    workers = worker_count(pipe)
+    here = pipe.layout.multi_process is False
+    free_cut = first and tuned.layout and (here or moves)
+    kinds = [(current.schedule, cells)]
+    if first and tuned.schedule:
+        kinds = []
+        for kind in schedules():
+            per = schedule_kind(kind).stages_per_worker
+            count = workers * (per or 2) if free_cut else cells
+            if count > layers or (per and count != workers * per):
+                continue
+            if not per and count % workers:
+                continue
+            try:
+                places = placement(kind, count, workers)
+            except ValueError:
+                continue
+            if not (here or moves) and places != list(pipe.layout.stage_ranks):
+                continue  # the cells stay on their ranks
+            kinds.append((kind, count))
+    chunks = [pipe.chunks]
+    if tuned.chunks:
+        chunks = [m for m in chunk_counts(batch) if m <= MOST_CHUNKS]
+    checkpoints = list(CHECKPOINTS) if tuned.checkpoint else [pipe.checkpoint]
+    return Space(kinds, free_cut, chunks, checkpoints)
+
+
+def worker_count(pipe: Any) -> int:
+    """The pipe's workers: its processes across processes, else its distinct workers."""
+    if pipe.layout.multi_process:
+        return int(pipe.layout.pp_size)
+    return len(set(pipe._pipeline.stage_workers))
+
+
+def _layout(pipe: Any) -> Layout:
+    split = getattr(pipe, "split_points", None)
+    return Layout(pipe.schedule, tuple(pipe.balance), None if split is None else tuple(split))
+
+
+@dataclass
+class Priced:
+    """A candidate with gf.plan's profiled plan of it (None: not priced in seconds)."""
+
+    config: Config
+    plan: Plan | None
+    peak_memory: int = 0
+
+
+class Pricing:
+    """gf.plan's planners of a tuning (one per set of layers: gf.pipeline's split points
+    make their own stages), sharing what they measured, and the candidates they price."""
+
+    def __init__(self, pipe: Any, builder: Builder, sample: Value, workers: int) -> None:
+        self.pipe = pipe
+        self.builder = builder
+        tensors = as_tensors(sample, "input")
+        self.sample = tensors[0] if len(tensors) == 1 and not isinstance(sample, tuple) else (
+            tuple(tensors))  # fmt: skip
+        self.workers = workers
+        self._planners: dict[tuple[Any, int], Planner] = {}
+
+    def planner(self, layout: Layout) -> Planner:
+        cells = len(layout.balance)
+        key = (layout.split_points, cells)
+        if key not in self._planners:
+            module = self.builder.cells_of(layout, self.pipe)
+            shared = next((p for (cut, _), p in self._planners.items()
+                           if cut == layout.split_points), None)  # fmt: skip
+            if shared is not None:  # the same layers: what was measured of them holds
+                self._planners[key] = dataclasses.replace(shared, cells=cells, _overheads={})
+            else:
+                self._planners[key] = Planner(module, self.sample, cells, "time", None,
+                                              self.workers, 2, 5, 2.0, OPTIMIZER,
+                                              copies=self.builder.profiles_copies)  # fmt: skip
+        return self._planners[key]
+
+    def layouts(self, kind: str, cells: int, chunks: int, free_cut: bool) -> list[Layout]:
+        """The cuts tried for `kind` on `cells` cells at `chunks` micro-batches."""
+        current = _layout(self.pipe)
+        if not free_cut:
+            return [dataclasses.replace(current, schedule=kind)]
+        cuts = self.builder.cuts(cells)
+        if cuts is not None:
+            found = [Layout(kind, (1,) * cells, cut) for cut in cuts]
+            if len(current.balance) == cells and current.split_points is not None:
+                found.append(Layout(kind, current.balance, current.split_points))
+            return _unique(found)
+        module = self.builder.cells_of(current, self.pipe)
+        planner = self.planner(Layout(kind, (1,) * cells))
+        balances = [
+            balance_by_params(cells, module),
+            partition(planner.layer_costs(chunks, kind).total, cells),
+            memory_balance(planner, chunks),
+        ]
+        if len(current.balance) == cells:
+            balances.append(list(current.balance))
+        return _unique([Layout(kind, tuple(b)) for b in balances])
+
+    def price(self, config: Config) -> Priced:
+        layout = config.layout
+        planner = self.planner(layout)
+        candidate = Candidate(config.chunks, config.checkpoint, layout.schedule)
+        plan = evaluate(planner, list(layout.balance), candidate)
+        return Priced(config, plan, plan.peak_memory)
+
+    def profiled_costs(self, config: Config) -> list[StageCosts]:
+        """gf.plan's profiled costs of each cell of `config`, one micro-batch's tasks."""
+        layout = config.layout
+        planner = self.planner(layout)
+        return planner.layer_costs(config.chunks, layout.schedule).stages(list(layout.balance))
+
+    def calibrated(self, config: Config, fit: Fit) -> float:
+        """The step of `config` as the measured steps calibrate gf.plan: its profiled task
+        costs times the fit's scale, the fit's hand-off per task, its call around them."""
+        layout = config.layout
+        scaled = [
+            StageCosts(c.forward * fit.scale, c.backward * fit.scale,
+                       c.backward_input * fit.scale, c.backward_weight * fit.scale)
+            for c in self.profiled_costs(config)
+        ]  # fmt: skip
+        schedule = _C.make_schedule(layout.schedule, len(layout.balance), self.workers,
+                                    config.chunks, config.checkpoint)  # fmt: skip
+        return predict(schedule, scaled, fit.handoff).step_time + fit.call
+
+    def measured_plan(self, config: Config, costs: Sequence[StageCosts], handoff: float,
+                      call: float) -> Plan:  # fmt: skip
+        """`config`'s plan with its cells' costs as they were measured (its own steps)."""
+        layout = config.layout
+        candidate = Candidate(config.chunks, config.checkpoint, layout.schedule)
+        return plan_with_costs(self.planner(layout), list(layout.balance), candidate,
+                               costs, handoff, call)  # fmt: skip
+
+
+@dataclass
+class Ranked:
+    """The candidates that fit, fastest predicted first; how many did not fit the memory,
+    and why those gf.plan could not price were left out (a layer failing on micro-batches
+    that small: BatchNorm on one row)."""
+
+    priced: list[Priced]
+    too_big: int
+    failures: dict[str, int]
+
+
+def candidates(pricing: Pricing, space: Space, budget: int | None) -> Ranked:
+    """Every candidate of `space` priced, those whose predicted peak fits `budget` bytes."""
+    found: dict[Config, Priced] = {}
+    too_big = 0
+    failures: dict[str, int] = {}
+    for kind, cells in space.kinds:
+        for chunks in space.chunks:
+            try:
+                layouts = pricing.layouts(kind, cells, chunks, space.free_cut)
+                for layout in layouts:
+                    for checkpoint in space.checkpoints:
+                        config = Config(layout, chunks, checkpoint)
+                        if config in found:
+                            continue
+                        priced = pricing.price(config)
+                        if budget is not None and priced.peak_memory > budget:
+                            too_big += 1
+                            continue
+                        found[config] = priced
+            except (RuntimeError, ValueError) as error:
+                reason = f"{kind} at {chunks} micro-batches: {type(error).__name__}: {error}"
+                failures[reason.splitlines()[0][:160]] = 1
+    ranked = sorted(found.values(), key=lambda p: (_seconds(p), p.peak_memory))
+    return Ranked(ranked, too_big, failures)
+
+
+def _seconds(priced: Priced) -> float:
+    return priced.plan.step_time if priced.plan is not None else float("inf")
+
+
+# What one measured candidate tells the fit: gf.plan's profiled cell costs, the measured ones,
+# the hand-off per task and the seconds around the tasks.
+Sample = tuple[Sequence[StageCosts], Sequence[StageCosts], float, float]
+
+
+def fitted(samples: Sequence[Sample]) -> Fit:
+    """The fit of measured candidates, each (profiled costs, measured costs, hand-off per
+    task, seconds around the tasks): medians of the measured over the profiled tasks' time,
+    of the hand-offs and of the calls."""
+    ratios = []
+    for profiled, measured, _, _ in samples:
+        expected = sum(c.forward + c.backward for c in profiled)
+        got = sum(c.forward + c.backward for c in measured)
+        if expected > 0:
+            ratios.append(got / expected)
+    return Fit(
+        scale=statistics.median(ratios) if ratios else 1.0,
+        handoff=statistics.median(s[2] for s in samples),
+        call=statistics.median(s[3] for s in samples),
+    )
+
+
+def _unique(layouts: list[Layout]) -> list[Layout]:
+    return list(dict.fromkeys(layouts))

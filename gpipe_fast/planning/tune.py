@@ -1,0 +1,282 @@
+"""pipe.tune, and an "auto" pipe's first step at each input signature: choose by measuring.
+
+gf.plan ranks the candidates (planning/price.py); the best few run a few steps each on the
+real job, every rank at once (planning/measure.py); after the first few, the steps measured
+calibrate gf.plan, and a candidate runs only while its calibrated prediction comes near the
+best step measured. The fastest measured is kept, the same on every rank (the source rank
+decides: planning/agree.py), and the pipe is rebuilt with its layout when that changed."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from gpipe_fast.api.auto import Builder, Config, Layout, TuneOptions, current_layout, install_tuner
+from gpipe_fast.api.relayout import layer_ranks, move_layers
+from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
+from gpipe_fast.planning.agree import Agreement
+from gpipe_fast.planning.measure import TIMED_STEPS, Measurement, measure
+from gpipe_fast.planning.price import (
+    Priced,
+    Pricing,
+    Space,
+    candidates,
+    fitted,
+    space,
+    worker_count,
+)
+from gpipe_fast.planning.progress import Progress
+from gpipe_fast.planning.tuning import Fit, TunedCandidate, Tuning
+from gpipe_fast.planning.untouched import untouched
+from gpipe_fast.schedule.registry import placement
+
+# Candidates run at most; the first few by gf.plan's own ranking, the others only while the
+# calibrated prediction is within WORTH of the best step measured so far.
+MOST_MEASURED = 8
+FIRST_MEASURED = 3
+WORTH = 1.05
+
+
+def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: TuneOptions,
+         key: int) -> Tuning:  # fmt: skip
+    """Chooses `pipe`'s configuration for batches like `input` (see GPipe.tune)."""
+    auto = pipe._auto
+    builder: Builder = auto.builder
+    agreement = Agreement(pipe.layout)
+    first = not auto.tunings
+    before = current_layout(pipe)
+    # Across processes a GPipe's layers change ranks only at an explicit tune(), and only
+    # when every rank holds the whole model.
+    moves = (
+        pipe.layout.multi_process
+        and builder.moves_layers
+        and first
+        and auto.tuned.layout
+        and not options.implicit
+        and agreement.everywhere(not _on_meta(builder))
+    )
+    progress = Progress(MOST_MEASURED, options.progress and agreement.shows_progress)
+    inputs = list(as_tensors(input, "input")) if input is not None else []
+    built = _Built(builder, pipe)
+    started = time.perf_counter()
+    search: _Search | None = None
+
+    def start() -> int:
+        nonlocal search
+        progress.show(0, "pricing the candidates with gf.plan")
+        batch = batch_size(tuple(inputs), "input")
+        the_space = space(pipe, builder, auto.tuned, first=first, moves=moves, batch=batch,
+                          layers=builder.most_cells())  # fmt: skip
+        search = _Search(pipe, builder, input, the_space, _budget(pipe, options), moves)
+        return len(search.ranked)
+
+    def step(target_pipe: Any) -> Any:
+        return builder.step(target_pipe, input, target, loss_fn, options.reduction)
+
+    with auto.tuning_now(), untouched([pipe, builder.model], inputs):
+        try:
+            agreement.decided(start)
+            measuring = time.perf_counter()
+            while True:
+                config = agreement.decided(
+                    lambda: _source(search).next(_elapsed(measuring), options.budget_s)
+                )
+                if config is None:
+                    break
+                done = len(_source(search).measured) if search is not None else 0
+                progress.show(done, f"running {config}")
+                result, error = _measured(built, config, step, agreement)
+                if search is not None:
+                    search.record(config, result, error)
+            tuning = agreement.decided(
+                lambda: _source(search).result(key, time.perf_counter() - started)
+            )
+        finally:
+            built.close()
+    _adopt(pipe, builder, tuning.choice.layout, before, moves, built.moved_layers)
+    tuning.seconds = time.perf_counter() - started
+    progress.close(f"chose {tuning.choice}")
+    return tuning
+
+
+def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
+              ) -> tuple[Measurement | None, str | None]:  # fmt: skip
+    """The candidate measured, or why it could not run (in one process only: across
+    processes a failed step fails the tuning on every rank)."""
+    alone = agreement.pp_group is None and agreement.dp_group is None
+    try:
+        return measure(built.get(config.layout), config, step, agreement), None
+    except (RuntimeError, MemoryError, ValueError) as error:
+        if not alone:
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None, f"{type(error).__name__}: {error}".splitlines()[0][:120]
+
+
+def _elapsed(since: float) -> float:
+    return time.perf_counter() - since
+
+
+def _source(search: _Search | None) -> _Search:
+    assert search is not None, "only the source rank decides"
+    return search
+
+
+def _on_meta(builder: Builder) -> bool:
+    model = builder.model
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _budget(pipe: Any, options: TuneOptions) -> int | None:
+    """The memory a candidate's predicted peak must fit: the one given, else on CUDA the
+    smallest device's memory, else none (CPU)."""
+    if options.memory_per_device is not None:
+        return int(options.memory_per_device)
+    cuda = [d for d in pipe.devices if d.type == "cuda"]
+    if not cuda:
+        return None
+    return min(int(torch.cuda.get_device_properties(d).total_memory) for d in cuda)
+
+
+class _Built:
+    """The pipes the candidates run on: the tuned pipe for its own layout, one built per
+    other layout (kept until the end; on several GPUs one at a time, since building one
+    places the shared layers on its devices)."""
+
+    def __init__(self, builder: Builder, pipe: Any) -> None:
+        self.builder = builder
+        self.pipe = pipe
+        self.layout = current_layout(pipe)
+        cuda = {d for d in pipe.devices if d.type == "cuda"}
+        self.exclusive = len(cuda) > 1
+        self.moved_layers = False  # another layout placed the layers (several GPUs)
+        self.pipes: dict[Layout, Any] = {}
+
+    def get(self, layout: Layout) -> Any:
+        if layout == self.layout and not self.moved_layers:
+            return self.pipe
+        if layout not in self.pipes:
+            if self.exclusive:
+                self.close()
+                self.moved_layers = True
+            self.pipes[layout] = self.builder.build(layout)
+        return self.pipes[layout]
+
+    def close(self) -> None:
+        for pipe in self.pipes.values():
+            pipe.close()
+        self.pipes.clear()
+
+
+def _adopt(pipe: Any, builder: Builder, chosen: Layout, before: Layout, moves: bool,
+           rebuild: bool) -> None:  # fmt: skip
+    """The pipe rebuilt with the chosen layout when it is another (or when the layers were
+    placed elsewhere meanwhile); across processes, moved layers handed to their new ranks
+    first."""
+    if chosen == before and not rebuild:
+        return
+    layout = pipe.layout
+    if moves and (chosen.balance != before.balance or chosen.schedule != before.schedule):
+        ranks = layout.pp_ranks
+        old = layer_ranks(before.balance, [layout.global_rank(k) for k in range(layout.stages)])
+        places = placement(chosen.schedule, len(chosen.balance), layout.pp_size)
+        new = layer_ranks(chosen.balance, [ranks[p] for p in places])
+        move_layers(builder.model, old, new, layout.pp_group)
+    builder.rebuild(pipe, chosen)
+
+
+class _Search:
+    """The source rank's side of a tuning: the candidates priced and ranked, which to run
+    next, what ran, and the choice."""
+
+    def __init__(self, pipe: Any, builder: Builder, input: Value | None, the_space: Space,
+                 budget: int | None, moves: bool) -> None:  # fmt: skip
+        assert input is not None, "the source rank runs cell 0: it has the input"
+        self.workers = worker_count(pipe)
+        self.pricing = Pricing(pipe, builder, input, self.workers)
+        self.notes: list[str] = []
+        ranked = candidates(self.pricing, the_space, budget)
+        self.ranked = ranked.priced
+        if not self.ranked and ranked.too_big:
+            raise ValueError(
+                f"memory_per_device: no candidate's predicted peak fits {budget} bytes "
+                f"({ranked.too_big} priced)"
+            )
+        if not self.ranked:
+            raise ValueError(
+                "gpipe_fast: gf.plan could price no candidate: " + "; ".join(ranked.failures)
+            )
+        if ranked.too_big:
+            self.notes.append(
+                f"{ranked.too_big} candidates left out: predicted peak over {budget} B"
+            )
+        self.notes += [f"left out, gf.plan failed on {reason}" for reason in ranked.failures]
+        if pipe.layout.multi_process and not moves and the_space.kinds:
+            self.notes.append("across processes the cells stayed on their ranks")
+        self.rows = {p.config: _row(p) for p in self.ranked}
+        self.measured: dict[Config, Measurement] = {}
+        self.fit: Fit | None = None
+
+    def next(self, elapsed: float, budget_s: float | None) -> Config | None:
+        """The next candidate to run, or None: enough were."""
+        tried = [c for c, row in self.rows.items() if row.measured_s or row.error]
+        if len(tried) >= MOST_MEASURED:
+            return None
+        if budget_s is not None and elapsed >= budget_s and self.measured:
+            return None
+        left = [p.config for p in self.ranked if p.config not in tried]
+        if not left:
+            return None
+        if len(tried) < FIRST_MEASURED or not self.measured:
+            return left[0]
+        self.fit = self._fit()
+        guesses = {config: self.pricing.calibrated(config, self.fit) for config in left}
+        best = min(m.seconds for m in self.measured.values())
+        config = min(left, key=lambda c: guesses[c])
+        return config if guesses[config] <= best * WORTH else None
+
+    def record(self, config: Config, measured: Measurement | None, error: str | None) -> None:
+        row = self.rows[config]
+        row.error = error
+        if measured is not None:
+            row.measured_s = measured.seconds
+            self.measured[config] = measured
+
+    def result(self, key: int, seconds: float) -> Tuning:
+        if not self.measured:
+            errors = "; ".join(f"{c}: {r.error}" for c, r in self.rows.items() if r.error)
+            raise RuntimeError(f"gpipe_fast: no candidate could run ({errors})")
+        choice = min(
+            self.measured,
+            key=lambda c: (self.measured[c].seconds, self.rows[c].predicted_s or math.inf),
+        )
+        self.fit = self._fit()
+        for config, row in self.rows.items():
+            row.calibrated_s = self.pricing.calibrated(config, self.fit)
+        measured = self.measured[choice]
+        plan = self.pricing.measured_plan(
+            choice, measured.costs, measured.handoff(choice, self.workers), measured.call
+        )
+        return Tuning(choice=choice, candidates=list(self.rows.values()), plan=plan,
+                      seconds=seconds, signature=key, fit=self.fit,
+                      measured_steps=TIMED_STEPS, notes=self.notes)  # fmt: skip
+
+    def _fit(self) -> Fit:
+        samples = [
+            (self.pricing.profiled_costs(config), m.costs,
+             m.handoff(config, self.workers, with_loss=False), m.call)
+            for config, m in self.measured.items()
+        ]  # fmt: skip
+        return fitted(samples)
+
+
+def _row(priced: Priced) -> TunedCandidate:
+    predicted = priced.plan.step_time if priced.plan is not None else None
+    return TunedCandidate(priced.config, predicted, priced.peak_memory)
+
+
+install_tuner(tune)
