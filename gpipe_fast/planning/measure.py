@@ -53,10 +53,11 @@ class Measurement:
 
 
 def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Agreement,
-            *, steps: int = TIMED_STEPS, warmup: int = WARMUP_STEPS) -> Measurement:  # fmt: skip
-    """Runs `step(pipe)` with `config`'s micro-batches and checkpointing: `warmup` steps,
-    then `steps` timed and recorded. Every rank calls it at once. Gradients are set to None
-    before each step (as ``optimizer.zero_grad()`` leaves them)."""
+            ) -> Measurement:  # fmt: skip
+    """Runs `step(pipe)` with `config`'s micro-batches and checkpointing: WARMUP_STEPS
+    steps, then TIMED_STEPS timed and recorded. Every rank calls it at once. Gradients are
+    set to None before each step (as ``optimizer.zero_grad()`` leaves them)."""
+    warmup, steps = WARMUP_STEPS, TIMED_STEPS
     pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
     params = list(pipe.parameters())
     times, timelines = [], []

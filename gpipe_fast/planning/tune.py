@@ -18,7 +18,8 @@ from gpipe_fast.api.auto import Builder, Config, Layout, TuneOptions, current_la
 from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
 from gpipe_fast.planning.agree import Agreement
-from gpipe_fast.planning.measure import TIMED_STEPS, Measurement, measure
+from gpipe_fast.planning import measure as measuring
+from gpipe_fast.planning.measure import Measurement, measure
 from gpipe_fast.planning.price import (
     Priced,
     Pricing,
@@ -79,10 +80,10 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
     with auto.tuning_now(), untouched([pipe, builder.model], inputs):
         try:
             agreement.decided(start)
-            measuring = time.perf_counter()
+            since = time.perf_counter()
             while True:
                 config = agreement.decided(
-                    lambda: _source(search).next(_elapsed(measuring), options.budget_s)
+                    lambda: _source(search).next(_elapsed(since), options.budget_s)
                 )
                 if config is None:
                     break
@@ -263,7 +264,7 @@ class _Search:
         )
         return Tuning(choice=choice, candidates=list(self.rows.values()), plan=plan,
                       seconds=seconds, signature=key, fit=self.fit,
-                      measured_steps=TIMED_STEPS, notes=self.notes)  # fmt: skip
+                      measured_steps=measuring.TIMED_STEPS, notes=self.notes)  # fmt: skip
 
     def _fit(self) -> Fit:
         samples = [
