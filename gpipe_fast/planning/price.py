@@ -71,12 +71,19 @@ def space(pipe: Any, builder: Builder, tuned: Any, *, first: bool, moves: bool,
                 continue
             if not (here or moves) and places != list(pipe.layout.stage_ranks):
                 continue  # the cells stay on their ranks
+            if not here and _ends(places) != _ends(list(pipe.layout.stage_ranks)):
+                continue  # the ranks given the input and the target stay the same
             kinds.append((kind, count))
     chunks = [pipe.chunks]
     if tuned.chunks:
         chunks = [m for m in chunk_counts(batch) if m <= MOST_CHUNKS]
     checkpoints = list(CHECKPOINTS) if tuned.checkpoint else [pipe.checkpoint]
     return Space(kinds, free_cut, chunks, checkpoints)
+
+
+def _ends(places: list[int]) -> tuple[int, int]:
+    """The ranks of the first cell (which takes the input) and of the last (the target)."""
+    return places[0], places[-1]
 
 
 def worker_count(pipe: Any) -> int:

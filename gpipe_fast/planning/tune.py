@@ -17,8 +17,8 @@ import torch
 from gpipe_fast.api.auto import Builder, Config, Layout, TuneOptions, current_layout, install_tuner
 from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
-from gpipe_fast.planning.agree import Agreement
 from gpipe_fast.planning import measure as measuring
+from gpipe_fast.planning.agree import Agreement
 from gpipe_fast.planning.measure import Measurement, measure
 from gpipe_fast.planning.price import (
     Priced,
