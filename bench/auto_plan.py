@@ -148,6 +148,12 @@ def _config(config: Any) -> dict[str, Any]:
             "chunks": config.chunks, "checkpoint": config.checkpoint}  # fmt: skip
 
 
+def _candidate(candidate: Any) -> dict[str, Any]:
+    return {**_config(candidate.config), "predicted_s": candidate.predicted_s,
+            "calibrated_s": candidate.calibrated_s, "tuning_s": candidate.measured_s,
+            "peak_memory": candidate.peak_memory}  # fmt: skip
+
+
 def _label(config: dict[str, Any]) -> str:
     cut = (f"split {config['split_points']}" if config.get("split_points") is not None
            else f"balance {config['balance']}")  # fmt: skip
@@ -179,12 +185,7 @@ class Job:
             "devices": [str(d) for d in worker_devices(pipe)],
             "plan_s": tuning.plan.step_time if tuning.plan is not None else None,
             "fit": asdict(tuning.fit) if tuning.fit is not None else None,
-            "candidates": [
-                {**_config(c.config), "predicted_s": c.predicted_s,
-                 "calibrated_s": c.calibrated_s, "tuning_s": c.measured_s,
-                 "peak_memory": c.peak_memory}
-                for c in tuning.candidates
-            ],  # fmt: skip
+            "candidates": [_candidate(c) for c in tuning.candidates],
             "notes": list(tuning.notes),
             "text": str(tuning),
         }
@@ -309,12 +310,14 @@ def _print(r: dict[str, Any]) -> None:
     print(f"  best of {r['swept']} swept: {_label(r['best'])}: {r['best_ms']:.2f} ms; "
           f"auto / best {r['auto_over_best']:.3f} (target <= 1.05)")  # fmt: skip
     print(f"  defaults {r['defaults_ms']:.2f} ms: {r['defaults_over_auto']:.2f}x the auto pick")
+    before, after = r["error_before"], r["error_after"]
     print(f"  gf.plan |predicted/measured - 1|: before calibration median "
-          f"{pct(r['error_before']['median'])}, worst {pct(r['error_before']['worst'])}; after "
-          f"median {pct(r['error_after']['median'])}, worst {pct(r['error_after']['worst'])}")  # fmt: skip
+          f"{pct(before['median'])}, worst {pct(before['worst'])}; after "
+          f"median {pct(after['median'])}, worst {pct(after['worst'])}")  # fmt: skip
     if r["plan_over_measured"] is not None:
+        ratio = r["plan_over_measured"]
         print(f"  the chosen plan predicts {r['plan_ms']:.2f} ms: "
-              f"{r['plan_over_measured']:.3f} of the measured step (target within 10%)")  # fmt: skip
+              f"{ratio:.3f} of the measured step (target: within 10%)")  # fmt: skip
 
 
 def main() -> int:
@@ -324,8 +327,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--group", type=int, default=8, help="pipes measured together")
-    parser.add_argument("--most", type=int, default=None,
-                        help="sweep only the N best predicted candidates (and the pick)")
+    parser.add_argument(
+        "--most",
+        type=int,
+        default=None,
+        help="sweep only the N best predicted candidates (and the pick)",
+    )
     parser.add_argument("--small", action="store_true", help="small sizes: a quick check")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
