@@ -104,7 +104,10 @@ class GPipe(nn.Module):
     ``devices[s % len(devices)]``, V cells per device's worker), "zero_bubble" (ZB-H1) or
     "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``), or a kind
     registered with :func:`gpipe_fast.register_schedule_kind`.
-    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
+    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain. ``schedule``,
+    ``chunks`` and ``checkpoint`` may be "auto": the pipe then chooses them (and, for
+    ``schedule="auto"`` without a ``balance``, its cells) by measuring, at its first
+    :meth:`train_step` or at :meth:`tune`.
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
     runs cells r, r + P, ... (zbv: r and 2P-1-r); with ``dp_group``, replicas' gradients
