@@ -88,6 +88,28 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
     )
 
 
+def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable[[Any], Any],
+                 agreement: Agreement, rounds: int) -> list[float]:  # fmt: skip
+    """Each config's median step (the slowest rank's) over `rounds` rounds of one step each,
+    in turn (the order rotated each round), on its pipe (`pipes[i]`, already warm)."""
+    times: list[list[float]] = [[] for _ in configs]
+    for index in range(rounds):
+        shift = index % len(configs)
+        for which in [*range(shift, len(configs)), *range(shift)]:
+            pipe, config = pipes[which], configs[which]
+            pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
+            for param in pipe.parameters():
+                param.grad = None
+            start = time.perf_counter()
+            step(pipe)
+            _synchronize(pipe.devices)
+            times[which].append(time.perf_counter() - start)
+    for pipe in pipes:
+        for param in pipe.parameters():
+            param.grad = None
+    return [agreement.slowest(statistics.median(series)) for series in times]
+
+
 def _synchronize(devices: Sequence[torch.device]) -> None:
     for device in set(devices):
         if device.type == "cuda":

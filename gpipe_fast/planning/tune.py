@@ -8,6 +8,7 @@ decides: planning/agree.py), and the pipe is rebuilt with its layout when that c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
 from gpipe_fast.planning import measure as measuring
 from gpipe_fast.planning.agree import Agreement
-from gpipe_fast.planning.measure import Measurement, measure
+from gpipe_fast.planning.measure import Measurement, measure, side_by_side
 from gpipe_fast.planning.price import (
     Priced,
     Pricing,
@@ -39,6 +40,12 @@ from gpipe_fast.schedule.registry import placement
 MOST_MEASURED = 8
 FIRST_MEASURED = 3
 WORTH = 1.05
+# The measured candidates within CLOSE of the best (at most FINALISTS) then run again side by
+# side, FINAL_ROUNDS steps each in turn, so that load that came and went between their
+# measurements does not decide between them.
+CLOSE = 0.05
+FINALISTS = 3
+FINAL_ROUNDS = 3
 
 
 def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: TuneOptions,
@@ -92,6 +99,15 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
                 result, error = _measured(built, config, step, agreement)
                 if search is not None:
                     search.record(config, result, error)
+            finalists = (
+                [] if built.exclusive else agreement.decided(lambda: _source(search).finalists())
+            )
+            if len(finalists) > 1:
+                progress.show(MOST_MEASURED - 1, f"the best {len(finalists)} side by side")
+                pipes = [built.get(config.layout) for config in finalists]
+                times = side_by_side(pipes, finalists, step, agreement, FINAL_ROUNDS)
+                if search is not None:
+                    search.settle(finalists, times)
             tuning = agreement.decided(
                 lambda: _source(search).result(key, time.perf_counter() - started)
             )
@@ -246,6 +262,18 @@ class _Search:
         if measured is not None:
             row.measured_s = measured.seconds
             self.measured[config] = measured
+
+    def finalists(self) -> list[Config]:
+        """The measured candidates close to the best, fastest first (FINALISTS at most)."""
+        ranked = sorted(self.measured, key=lambda c: self.measured[c].seconds)
+        best = self.measured[ranked[0]].seconds if ranked else 0.0
+        return [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)][:FINALISTS]
+
+    def settle(self, finalists: list[Config], seconds: list[float]) -> None:
+        """The finalists' steps as they ran side by side."""
+        for config, value in zip(finalists, seconds, strict=True):
+            self.measured[config] = dataclasses.replace(self.measured[config], seconds=value)
+            self.rows[config].measured_s = value
 
     def result(self, key: int, seconds: float) -> Tuning:
         if not self.measured:
