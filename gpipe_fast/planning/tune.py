@@ -35,11 +35,12 @@ from gpipe_fast.planning.tuning import Fit, TunedCandidate, Tuning
 from gpipe_fast.planning.untouched import untouched
 from gpipe_fast.schedule.registry import placement
 
-# Candidates run at most; the first few by gf.plan's own ranking, the others only while the
-# calibrated prediction is within WORTH of the best step measured so far.
+# Candidates run at most; the first few by gf.plan's own ranking (each of another layout or
+# micro-batch count), the others only while the calibrated prediction is within WORTH of the
+# best step measured so far.
 MOST_MEASURED = 8
 FIRST_MEASURED = 3
-WORTH = 1.05
+WORTH = 1.10
 # The measured candidates within CLOSE of the best (at most FINALISTS) then run again side by
 # side, FINAL_ROUNDS steps each in turn, so that load that came and went between their
 # measurements does not decide between them.
@@ -249,7 +250,10 @@ class _Search:
         if not left:
             return None
         if len(tried) < FIRST_MEASURED or not self.measured:
-            return left[0]
+            # gf.plan's best of another layout and micro-batch count than those run: steps
+            # that differ in more than their checkpointing calibrate it better.
+            seen = {(c.layout, c.chunks) for c in tried}
+            return next((c for c in left if (c.layout, c.chunks) not in seen), left[0])
         self.fit = self._fit()
         guesses = {config: self.pricing.calibrated(config, self.fit) for config in left}
         best = min(m.seconds for m in self.measured.values())
