@@ -304,3 +304,38 @@ def test_bad_uses_are_named() -> None:
         assert pipe.tuning is None
     finally:
         pipe.close()
+
+
+def test_a_pipe_rebuilt_with_another_layout_keeps_the_models_tensors_and_keys(
+    pipes: list[Any],
+) -> None:
+    from helpers import native_threads
+
+    before_threads = native_threads("gpipe-cell")
+    module = net()
+    params = {id(p) for p in module.parameters()}
+    keys = set(module.state_dict())
+    pipe = auto_pipe(module, pipes)
+    pipe.train()
+    pipe.step_timeout = 60.0
+    initial = pipe.balance
+    # Whatever runs fastest here, the choice must re-cut the model: the pipe's own balance
+    # is left out of the candidates.
+    layouts = price.Pricing.layouts
+
+    def others(self: Any, *args: Any) -> list[Any]:
+        return [lay for lay in layouts(self, *args) if list(lay.balance) != initial]
+
+    price.Pricing.layouts = others  # type: ignore[method-assign]
+    try:
+        tuning = pipe.tune(*batch(), loss_fn, progress=False)
+    finally:
+        price.Pricing.layouts = layouts  # type: ignore[method-assign]
+    assert pipe.balance != initial and pipe.balance == list(tuning.choice.layout.balance)
+    assert {id(p) for p in pipe.parameters()} == params  # the model's own, not copies
+    assert set(pipe.state_dict()) == keys
+    pipe.load_state_dict(module.state_dict())
+    assert pipe.training and pipe.step_timeout == 60.0 and pipe.tuning is tuning
+    workers = len(set(pipe._pipeline.stage_workers))
+    # The candidates' pipes and the first runtime are closed: only the chosen one's remain.
+    assert native_threads("gpipe-cell") - before_threads == workers
