@@ -40,3 +40,11 @@ def test_a_new_signature_retunes_on_every_rank(two: Cluster) -> None:
     assert first[0]["choice"] == first[2]["choice"]  # back to the first batch: its choice
     for reply in replies:
         assert reply["untouched"]
+
+
+def test_a_pp_by_dp_mesh_tunes_as_one(four: Cluster) -> None:
+    replies = values(four.run(f"{CASES}.mesh_agrees", timeout_s=300.0))
+    assert len({reply["choice"] for reply in replies}) == 1
+    assert len({tuple(reply["seconds"]) for reply in replies}) == 1
+    for reply in replies:
+        assert reply["error"] < 1e-12

@@ -173,3 +173,31 @@ def signatures_agree(rank: int, world: int) -> dict[str, Any]:
         return {"steps": steps, "untouched": untouched}
     finally:
         pipe.close()
+
+
+def mesh_agrees(rank: int, world: int) -> dict[str, Any]:
+    """pp x dp (2 x 2): the four ranks tune at once and agree; the step is exact over both
+    replicas' batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _quick()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    torch.manual_seed(0)  # no BatchNorm: the replicas' micro-batches are the whole batch's rows
+    module = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)]).double()
+    plain = copy.deepcopy(module)
+    x, y = data(8 + 4 * dist.get_rank(dp))  # replicas with batches of their own size
+    pipe = gf.GPipe(module, schedule="auto", chunks="auto", checkpoint="auto", pp_group=pp,
+                    dp_group=dp)  # fmt: skip
+    try:
+        first, last = dist.get_rank(pp) == 0, dist.get_rank(pp) == 1
+        loss = pipe.train_step(x if first else None, y if last else None, nn.functional.mse_loss)
+        xs: list[Any] = [None, None]
+        ys: list[Any] = [None, None]
+        dist.all_gather_object(xs, x, group=dp)
+        dist.all_gather_object(ys, y, group=dp)
+        want = nn.functional.mse_loss(plain(torch.cat(xs)), torch.cat(ys))
+        want.backward()
+        return {**_report(pipe), "error": _against_plain(pipe, plain, loss, want)}
+    finally:
+        pipe.close()
