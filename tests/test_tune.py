@@ -339,3 +339,43 @@ def test_a_pipe_rebuilt_with_another_layout_keeps_the_models_tensors_and_keys(
     workers = len(set(pipe._pipeline.stage_workers))
     # The candidates' pipes and the first runtime are closed: only the chosen one's remain.
     assert native_threads("gpipe-cell") - before_threads == workers
+
+
+class Uncopyable(nn.Linear):
+    """A layer gf.plan cannot profile apart (deepcopy refuses its non-leaf attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8, dtype=torch.float64)
+        self.scale = torch.ones(8, dtype=torch.float64, requires_grad=True) * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.detach()
+
+
+def test_without_gf_plan_the_candidates_run_in_a_fixed_order(pipes: list[Any]) -> None:
+    torch.manual_seed(0)
+    module = nn.Sequential(Uncopyable(), nn.Tanh(), nn.Linear(8, 8).double(), nn.Tanh())
+    pipe = auto_pipe(module, pipes)
+    tuning = pipe.tune(*batch(), loss_fn, progress=False)
+    assert any("gf.plan could not price" in note for note in tuning.notes)
+    assert all(c.predicted_s is None and c.calibrated_s is None for c in tuning.candidates)
+    assert tuning.plan is None and len(tuning.measured) == tune.MOST_MEASURED
+    assert tuning.chosen.measured_s == min(c.measured_s for c in tuning.measured)  # type: ignore[type-var]
+    assert "chose" in str(tuning)
+
+
+def test_a_loss_that_fails_fails_the_tuning_with_its_own_error(pipes: list[Any]) -> None:
+    pipe = auto_pipe(net(), pipes)
+    values, _ = state_of(pipe)
+
+    def broken(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the target is not what the loss wants")
+
+    with pytest.raises(ValueError, match="the target is not what the loss wants"):
+        pipe.train_step(*batch(), broken)
+    assert pipe.tuning is None
+    assert all(p.grad is None for p in pipe.parameters())
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, values[key])
+    pipe.train_step(*batch(), loss_fn)  # and it tunes once the loss works
+    assert pipe.tuning is not None

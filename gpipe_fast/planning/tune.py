@@ -17,6 +17,7 @@ import torch
 
 from gpipe_fast.api.auto import Builder, Config, Layout, TuneOptions, current_layout, install_tuner
 from gpipe_fast.api.relayout import layer_ranks, move_layers
+from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
 from gpipe_fast.planning import measure as measuring
 from gpipe_fast.planning.agree import Agreement
@@ -121,18 +122,18 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
 
 
 def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
-              ) -> tuple[Measurement | None, str | None]:  # fmt: skip
+              ) -> tuple[Measurement | None, BaseException | None]:  # fmt: skip
     """The candidate measured, or why it could not run (in one process only: across
     processes a failed step fails the tuning on every rank)."""
     alone = agreement.pp_group is None and agreement.dp_group is None
     try:
         return measure(built.get(config.layout), config, step, agreement), None
-    except (RuntimeError, MemoryError, ValueError) as error:
+    except (RuntimeError, MemoryError, ValueError, TypeError) as error:
         if not alone:
             raise
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return None, f"{type(error).__name__}: {error}".splitlines()[0][:120]
+        return None, error
 
 
 def _elapsed(since: float) -> float:
@@ -217,22 +218,29 @@ class _Search:
         self.workers = worker_count(pipe)
         self.pricing = Pricing(pipe, builder, input, self.workers)
         self.notes: list[str] = []
-        ranked = candidates(self.pricing, the_space, budget)
-        self.ranked = ranked.priced
-        if not self.ranked and ranked.too_big:
+        self.first_error: BaseException | None = None
+        try:
+            ranked = candidates(self.pricing, the_space, budget)
+            failure = None if ranked.priced else "; ".join(ranked.failures)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
+            ranked, failure = None, f"{type(error).__name__}: {error}".splitlines()[0]
+        if ranked is not None and not ranked.priced and ranked.too_big:
             raise ValueError(
                 f"memory_per_device: no candidate's predicted peak fits {budget} bytes "
                 f"({ranked.too_big} priced)"
             )
-        if not self.ranked:
-            raise ValueError(
-                "gpipe_fast: gf.plan could price no candidate: " + "; ".join(ranked.failures)
-            )
-        if ranked.too_big:
-            self.notes.append(
-                f"{ranked.too_big} candidates left out: predicted peak over {budget} B"
-            )
-        self.notes += [f"left out, gf.plan failed on {reason}" for reason in ranked.failures]
+        self.priced = failure is None and ranked is not None
+        if ranked is not None and self.priced:
+            self.ranked = ranked.priced
+            if ranked.too_big:
+                self.notes.append(
+                    f"{ranked.too_big} candidates left out: predicted peak over {budget} B"
+                )
+            self.notes += [f"left out, gf.plan failed on {reason}" for reason in ranked.failures]
+        else:  # a layer gf.plan cannot run alone (or on the meta device): run, unpriced
+            self.ranked = unpriced(pipe, builder, the_space)
+            self.notes.append(f"gf.plan could not price the candidates ({failure}): they ran "
+                              "in a fixed order, uncalibrated")  # fmt: skip
         if pipe.layout.multi_process and not moves and the_space.kinds:
             self.notes.append("across processes the cells stayed on their ranks")
         self.rows = {p.config: _row(p) for p in self.ranked}
@@ -249,6 +257,8 @@ class _Search:
         left = [p.config for p in self.ranked if p.config not in tried]
         if not left:
             return None
+        if not self.priced:
+            return left[0]
         if len(tried) < FIRST_MEASURED or not self.measured:
             # gf.plan's best of another layout and micro-batch count than those run: steps
             # that differ in more than their checkpointing calibrate it better.
@@ -260,9 +270,12 @@ class _Search:
         config = min(left, key=lambda c: guesses[c])
         return config if guesses[config] <= best * WORTH else None
 
-    def record(self, config: Config, measured: Measurement | None, error: str | None) -> None:
+    def record(self, config: Config, measured: Measurement | None,
+               error: BaseException | None) -> None:  # fmt: skip
         row = self.rows[config]
-        row.error = error
+        if error is not None:
+            row.error = f"{type(error).__name__}: {error}".splitlines()[0][:120]
+            self.first_error = self.first_error or error
         if measured is not None:
             row.measured_s = measured.seconds
             self.measured[config] = measured
@@ -280,20 +293,22 @@ class _Search:
             self.rows[config].measured_s = value
 
     def result(self, key: int, seconds: float) -> Tuning:
-        if not self.measured:
-            errors = "; ".join(f"{c}: {r.error}" for c, r in self.rows.items() if r.error)
-            raise RuntimeError(f"gpipe_fast: no candidate could run ({errors})")
+        if not self.measured:  # the first candidate's error: the step's own, likely
+            assert self.first_error is not None
+            raise self.first_error
         choice = min(
             self.measured,
             key=lambda c: (self.measured[c].seconds, self.rows[c].predicted_s or math.inf),
         )
-        self.fit = self._fit()
-        for config, row in self.rows.items():
-            row.calibrated_s = self.pricing.calibrated(config, self.fit)
-        measured = self.measured[choice]
-        plan = self.pricing.measured_plan(
-            choice, measured.costs, measured.handoff(choice, self.workers), measured.call
-        )
+        plan = None
+        if self.priced:
+            self.fit = self._fit()
+            for config, row in self.rows.items():
+                row.calibrated_s = self.pricing.calibrated(config, self.fit)
+            measured = self.measured[choice]
+            plan = self.pricing.measured_plan(
+                choice, measured.costs, measured.handoff(choice, self.workers), measured.call
+            )
         return Tuning(choice=choice, candidates=list(self.rows.values()), plan=plan,
                       seconds=seconds, signature=key, fit=self.fit,
                       measured_steps=measuring.TIMED_STEPS, notes=self.notes)  # fmt: skip
@@ -305,6 +320,37 @@ class _Search:
             for config, m in self.measured.items()
         ]  # fmt: skip
         return fitted(samples)
+
+
+def unpriced(pipe: Any, builder: Builder, the_space: Space) -> list[Priced]:
+    """The candidates without gf.plan, in a fixed order: about four micro-batches per cell
+    first, then checkpointing from none to all, the kinds as registered; the cuts by
+    parameters (gf.pipeline: its first split points) where they are free."""
+    current = current_layout(pipe)
+    found: list[Priced] = []
+    for kind, cells in the_space.kinds:
+        cut = current if len(current.balance) == cells else None
+        if the_space.free_cut or cut is None:
+            cuts = builder.cuts(cells)
+            if cuts:
+                cut = Layout(kind, (1,) * cells, cuts[0])
+            elif cuts is None:
+                module = builder.cells_of(current, pipe)
+                cut = Layout(kind, tuple(balance_by_params(cells, module)))
+        if cut is None:
+            continue
+        layout = dataclasses.replace(cut, schedule=kind)
+        for chunks in the_space.chunks:
+            for checkpoint in the_space.checkpoints:
+                found.append(Priced(Config(layout, chunks, checkpoint), None))
+
+    def order(priced: Priced) -> tuple[float, int]:
+        config = priced.config
+        wanted = 4 * len(config.layout.balance)
+        modes = list(the_space.checkpoints)
+        return abs(math.log2(config.chunks / wanted)), modes.index(config.checkpoint)
+
+    return sorted(found, key=order)
 
 
 def _row(priced: Priced) -> TunedCandidate:
