@@ -379,3 +379,19 @@ def test_a_loss_that_fails_fails_the_tuning_with_its_own_error(pipes: list[Any])
         assert torch.equal(value, values[key])
     pipe.train_step(*batch(), loss_fn)  # and it tunes once the loss works
     assert pipe.tuning is not None
+
+
+def test_gf_plan_takes_the_tunings_calibration(pipes: list[Any]) -> None:
+    x, y = batch()
+    pipe = auto_pipe(net(), pipes)
+    tuning = pipe.tune(x, y, loss_fn, progress=False)
+    plan = gf.plan(net(), x, 2, 2, schedule="1f1b", checkpoint="never", devices=2,
+                   calibrate=tuning)  # fmt: skip
+    assert plan.calibrated and tuning.fit is not None
+    assert (plan.overhead, plan.call_overhead) == (tuning.fit.handoff, tuning.fit.call)
+    profiled = gf.plan(net(), x, 2, 2, balance=plan.balance, schedule="1f1b",
+                       checkpoint="never", devices=2)  # fmt: skip
+    assert not profiled.calibrated and profiled.step_time != plan.step_time
+    with pytest.raises(ValueError, match="calibrate: calibrating measures time"):
+        gf.plan(net(), x, 2, 2, cost="params", schedule="1f1b", checkpoint="never",
+                calibrate=tuning)  # fmt: skip

@@ -181,6 +181,28 @@ def calibrated_plan(
                  threads=planner.threads(candidate.schedule), call=calibration.call)  # fmt: skip
 
 
+def fitted_plan(
+    planner: Planner,
+    balance: Sequence[int] | None,
+    candidate: Candidate,
+    scale: float,
+    handoff: float,
+    call: float,
+) -> Plan:
+    """The plan of a candidate with its profiled task costs times `scale`, `handoff` seconds
+    per task and `call` per step: gf.plan as the steps a tuning measured calibrated it."""
+    costs = planner.layer_costs(candidate.chunks, candidate.schedule)
+    chosen = list(balance) if balance is not None else partition(costs.total, planner.cells)
+    scaled = [
+        StageCosts(c.forward * scale, c.backward * scale, c.backward_input * scale,
+                   c.backward_weight * scale)
+        for c in costs.stages(chosen)
+    ]  # fmt: skip
+    return _plan(planner, chosen, candidate, planner.workers(candidate.schedule), scaled,
+                 handoff, [c * scale for c in costs.total],
+                 threads=planner.threads(candidate.schedule), call=call)  # fmt: skip
+
+
 def plan_with_costs(
     planner: Planner,
     balance: Sequence[int],
