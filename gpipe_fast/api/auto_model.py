@@ -56,8 +56,10 @@ class ModelBuilder:
         points = layout.split_points or ()
         plan = self.plan(points)
         init = self.pipe_class.__init__
+        present = list(pipe._first_stage.present)  # the inputs of the step being tuned for
         rebuilt(pipe, lambda: init(pipe, self.model, plan, list(points),
                                    schedule=layout.schedule, **self.arguments))  # fmt: skip
+        pipe._first_stage.present = present
 
     def cells_of(self, layout: Layout, pipe: GPipe) -> nn.Sequential:
         """The stages of `layout` as layers (stage 0 mapping the step's tuple of inputs as the
