@@ -143,9 +143,9 @@ class Workload:
 
 
 def _config(config: Any) -> dict[str, Any]:
-    layout = config.layout
-    return {"schedule": layout.schedule, "balance": list(layout.balance),
-            "split_points": None if layout.split_points is None else list(layout.split_points),
+    cut = config.cut
+    return {"schedule": cut.schedule, "balance": list(cut.balance),
+            "split_points": None if cut.split_points is None else list(cut.split_points),
             "chunks": config.chunks, "checkpoint": config.checkpoint}  # fmt: skip
 
 

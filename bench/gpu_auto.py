@@ -88,8 +88,8 @@ def compare(device: torch.device, width: int, batch: int, rounds: int) -> None:
     for candidate in best:
         config = candidate.config
         contenders[str(config)] = gf.GPipe(
-            module, list(config.layout.balance), devices=devices,
-            schedule=config.layout.schedule, chunks=config.chunks, checkpoint=config.checkpoint,
+            module, list(config.cut.balance), devices=devices,
+            schedule=config.cut.schedule, chunks=config.chunks, checkpoint=config.checkpoint,
         )  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in contenders}
     names = list(contenders)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.api.auto import Config, Layout, Tuned
+from gpipe_fast.api.auto import Config, Cut, Tuned
 from gpipe_fast.planning import price
 from gpipe_fast.planning.predict import StageCosts
 from gpipe_fast.planning.tuning import Fit
@@ -27,7 +27,7 @@ def pipe() -> Iterator[Any]:
 
 
 def test_the_first_tuning_tries_every_kind_chunks_and_mode(pipe: Any) -> None:
-    tuned = Tuned(True, True, True, layout=True)
+    tuned = Tuned(True, True, True, cut=True)
     found = price.space(pipe, pipe._auto.builder, tuned, first=True, moves=False, batch=256,
                         layers=8)  # fmt: skip
     assert {kind for kind, _ in found.kinds} == set(gf.schedules())
@@ -38,8 +38,8 @@ def test_the_first_tuning_tries_every_kind_chunks_and_mode(pipe: Any) -> None:
     assert found.checkpoints == ["never", "except_last", "always"]
 
 
-def test_later_tunings_keep_the_layout(pipe: Any) -> None:
-    tuned = Tuned(True, True, False, layout=True)
+def test_later_tunings_keep_the_cut(pipe: Any) -> None:
+    tuned = Tuned(True, True, False, cut=True)
     found = price.space(pipe, pipe._auto.builder, tuned, first=False, moves=False, batch=6,
                         layers=8)  # fmt: skip
     assert found.kinds == [(pipe.schedule, 2)] and not found.free_cut
@@ -60,7 +60,7 @@ def test_the_fit_takes_medians() -> None:
 def test_a_calibrated_prediction_scales_the_profile(pipe: Any) -> None:
     sample = torch.randn(8, 4)
     pricing = price.Pricing(pipe, pipe._auto.builder, sample, 2)
-    config = Config(Layout("gpipe", (4, 4)), 2, "never")
+    config = Config(Cut("gpipe", (4, 4)), 2, "never")
     base = pricing.calibrated(config, Fit(1.0, 0.0, 0.0))
     assert pricing.calibrated(config, Fit(2.0, 0.0, 0.0)) == pytest.approx(2 * base)
     assert pricing.calibrated(config, Fit(1.0, 0.0, 0.5)) == pytest.approx(base + 0.5)

@@ -78,13 +78,13 @@ def test_the_first_step_tunes_then_runs_as_the_chosen_pipe_would(pipes: list[Any
     seed = torch.get_rng_state()
     loss = pipe.train_step(x, y, loss_fn)
     choice = pipe.tuning.choice
-    assert (pipe.schedule, tuple(pipe.balance)) == (choice.layout.schedule, choice.layout.balance)
+    assert (pipe.schedule, tuple(pipe.balance)) == (choice.cut.schedule, choice.cut.balance)
     assert (pipe.chunks, pipe.checkpoint) == (choice.chunks, choice.checkpoint)
 
     # The same step through a pipe built with the choice, from the same generator state:
     # the same dropout masks, loss, gradients and running statistics, bit for bit.
-    chosen = gf.GPipe(plain, list(choice.layout.balance), devices=["cpu", "cpu"],
-                      schedule=choice.layout.schedule, chunks=choice.chunks,
+    chosen = gf.GPipe(plain, list(choice.cut.balance), devices=["cpu", "cpu"],
+                      schedule=choice.cut.schedule, chunks=choice.chunks,
                       checkpoint=choice.checkpoint)  # fmt: skip
     pipes.append(chosen)
     torch.set_rng_state(seed)
@@ -153,9 +153,9 @@ def test_the_choice_is_kept_per_input_signature(pipes: list[Any], monkeypatch: p
     pipe.train_step(*four, loss_fn)  # another batch size: another signature, tuned anew
     assert len(calls) == 2 and pipe.tuning is not first
     second = pipe.tuning
-    # After the first tuning the layout stays: only chunks and checkpoint are chosen again.
-    assert second.choice.layout == first.choice.layout
-    assert {c.config.layout for c in second.candidates} == {first.choice.layout}
+    # After the first tuning the cut stays: only chunks and checkpoint are chosen again.
+    assert second.choice.cut == first.choice.cut
+    assert {c.config.cut for c in second.candidates} == {first.choice.cut}
     pipe.train_step(*eight, loss_fn)  # back to the first: its choice, not a third tuning
     assert len(calls) == 2 and pipe.tuning is first
     assert (pipe.chunks, pipe.checkpoint) == (first.choice.chunks, first.choice.checkpoint)
@@ -181,15 +181,15 @@ def test_the_report_lists_every_candidate_and_the_choice(pipes: list[Any]) -> No
     predicted = [c.predicted_s for c in tuning.candidates]
     assert predicted == sorted(predicted)  # type: ignore[type-var]
     # Every schedule kind, checkpoint mode and divisor of the batch was priced.
-    assert {c.layout.schedule for c in configs} == set(gf.schedules())
+    assert {c.cut.schedule for c in configs} == set(gf.schedules())
     assert {c.checkpoint for c in configs} == {"never", "except_last", "always"}
     assert {c.chunks for c in configs} == {1, 2, 4}  # 8: one row each, BatchNorm refuses
     # The plan of the choice is calibrated from its own steps.
     plan = tuning.plan
     assert plan is not None and plan.calibrated
     assert (plan.schedule, plan.chunks, plan.checkpoint) == (
-        tuning.choice.layout.schedule, tuning.choice.chunks, tuning.choice.checkpoint)  # fmt: skip
-    assert plan.balance == list(tuning.choice.layout.balance)
+        tuning.choice.cut.schedule, tuning.choice.chunks, tuning.choice.checkpoint)  # fmt: skip
+    assert plan.balance == list(tuning.choice.cut.balance)
     assert tuning.fit is not None and tuning.fit.scale > 0
     assert tuning.seconds > 0 and tuning.measured_steps == measure.TIMED_STEPS
     text = str(tuning)
@@ -200,12 +200,12 @@ def test_only_what_is_auto_is_tuned(pipes: list[Any]) -> None:
     x, y = batch()
     pipe = auto_pipe(net(), pipes, schedule="1f1b", checkpoint="never")
     tuning = pipe.tune(x, y, loss_fn, progress=False)
-    assert {c.config.layout for c in tuning.candidates} == {auto.Layout("1f1b", (8, 8))}
+    assert {c.config.cut for c in tuning.candidates} == {auto.Cut("1f1b", (8, 8))}
     assert {c.config.checkpoint for c in tuning.candidates} == {"never"}
     assert len({c.config.chunks for c in tuning.candidates}) > 1
     given = auto_pipe(net(), pipes, balance=[4, 12], chunks=2)  # a balance given: kept
     tuning = given.tune(x, y, loss_fn, progress=False)
-    assert {c.config.layout.balance for c in tuning.candidates} == {(4, 12)}
+    assert {c.config.cut.balance for c in tuning.candidates} == {(4, 12)}
     assert {c.config.chunks for c in tuning.candidates} == {2}
     assert given.balance == [4, 12]
 
@@ -282,8 +282,8 @@ def test_a_transformers_llama_through_gf_pipeline_tunes_its_split_points(pipes: 
     data = inputs("llama", 4, 12, 1)
     loss = pipe.train_step(data, targets("llama", data), any_loss)
     tuning = pipe.tuning
-    assert len({c.config.layout.split_points for c in tuning.candidates}) > 1
-    assert pipe.split_points == list(tuning.choice.layout.split_points)
+    assert len({c.config.cut.split_points for c in tuning.candidates}) > 1
+    assert pipe.split_points == list(tuning.choice.cut.split_points)
     want = any_loss(plain(**data), targets("llama", data))
     want.backward()
     torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)
@@ -306,7 +306,7 @@ def test_bad_uses_are_named() -> None:
         pipe.close()
 
 
-def test_a_pipe_rebuilt_with_another_layout_keeps_the_models_tensors_and_keys(
+def test_a_pipe_rebuilt_with_another_cut_keeps_the_models_tensors_and_keys(
     pipes: list[Any],
 ) -> None:
     from helpers import native_threads
@@ -321,17 +321,17 @@ def test_a_pipe_rebuilt_with_another_layout_keeps_the_models_tensors_and_keys(
     initial = pipe.balance
     # Whatever runs fastest here, the choice must re-cut the model: the pipe's own balance
     # is left out of the candidates.
-    layouts = price.Pricing.layouts
+    candidate_cuts = price.Pricing.cuts
 
     def others(self: Any, *args: Any) -> list[Any]:
-        return [lay for lay in layouts(self, *args) if list(lay.balance) != initial]
+        return [lay for lay in candidate_cuts(self, *args) if list(lay.balance) != initial]
 
-    price.Pricing.layouts = others  # type: ignore[method-assign]
+    price.Pricing.cuts = others  # type: ignore[method-assign]
     try:
         tuning = pipe.tune(*batch(), loss_fn, progress=False)
     finally:
-        price.Pricing.layouts = layouts  # type: ignore[method-assign]
-    assert pipe.balance != initial and pipe.balance == list(tuning.choice.layout.balance)
+        price.Pricing.cuts = candidate_cuts  # type: ignore[method-assign]
+    assert pipe.balance != initial and pipe.balance == list(tuning.choice.cut.balance)
     assert {id(p) for p in pipe.parameters()} == params  # the model's own, not copies
     assert set(pipe.state_dict()) == keys
     pipe.load_state_dict(module.state_dict())

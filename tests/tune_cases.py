@@ -99,12 +99,12 @@ def tune_moves_layers(rank: int, world: int) -> dict[str, Any]:
                     pp_group=dist.group.WORLD)  # fmt: skip
     # Whatever runs fastest here, the choice must re-cut the model: the pipe's own balance
     # is left out of the candidates.
-    layouts = price.Pricing.layouts
+    candidate_cuts = price.Pricing.cuts
 
     def others(self: Any, *args: Any) -> list[Any]:
-        return [lay for lay in layouts(self, *args) if list(lay.balance) != pipe.balance]
+        return [lay for lay in candidate_cuts(self, *args) if list(lay.balance) != pipe.balance]
 
-    price.Pricing.layouts = others  # type: ignore[method-assign]
+    price.Pricing.cuts = others  # type: ignore[method-assign]
     try:
         owned = set(pipe._cell_of)
         with torch.no_grad():
@@ -138,7 +138,7 @@ def tune_moves_layers(rank: int, world: int) -> dict[str, Any]:
         return {**_report(pipe), "owned_before": sorted(owned), "values_equal": values_equal,
                 "grads_moved": grads_moved, "error": error}  # fmt: skip
     finally:
-        price.Pricing.layouts = layouts  # type: ignore[method-assign]
+        price.Pricing.cuts = candidate_cuts  # type: ignore[method-assign]
         pipe.close()
 
 

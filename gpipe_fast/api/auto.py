@@ -26,7 +26,7 @@ INITIAL = {"schedule": "gpipe", "checkpoint": "except_last"}
 
 
 @dataclass(frozen=True)
-class Layout:
+class Cut:
     """How a pipe's cells are cut and run: its schedule kind and its balance (with
     gf.pipeline, its split points, one layer per cell)."""
 
@@ -45,14 +45,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class Config:
-    """One way to run a pipe's training steps: its layout, micro-batches and checkpointing."""
+    """One way to run a pipe's training steps: its cut, micro-batches and checkpointing."""
 
-    layout: Layout
+    cut: Cut
     chunks: int
     checkpoint: str
 
     def __str__(self) -> str:
-        return f"{self.layout}, chunks {self.chunks}, checkpoint {self.checkpoint!r}"
+        return f"{self.cut}, chunks {self.chunks}, checkpoint {self.checkpoint!r}"
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Tuned:
     schedule: bool
     chunks: bool
     checkpoint: bool
-    layout: bool
+    cut: bool
 
     @classmethod
     def of(
@@ -73,7 +73,7 @@ class Tuned:
         flags = [_is_auto(value) for value in (schedule, chunks, checkpoint)]
         if not any(flags):
             return None
-        return cls(flags[0], flags[1], flags[2], layout=flags[0] and not cut_given)
+        return cls(flags[0], flags[1], flags[2], cut=flags[0] and not cut_given)
 
     def initial(self, schedule: Any, chunks: Any, checkpoint: Any) -> tuple[Any, Any, Any]:
         """The values a pipe is built with until its first tuning (chunks: 1 here, one per
@@ -102,7 +102,7 @@ def _is_auto(value: object) -> bool:
 
 
 class Builder(Protocol):
-    """Makes pipes like the tuned one with another layout (GPipe: a balance; gf.pipeline:
+    """Makes pipes like the tuned one with another cut (GPipe: a balance; gf.pipeline:
     split points), sharing its model's layers."""
 
     # Whether the layers may move between processes (a whole model on every rank, which
@@ -113,14 +113,14 @@ class Builder(Protocol):
     # model's shape-only placeholders: they run where they are, the tuning restoring them).
     profiles_copies: bool
 
-    def build(self, layout: Layout) -> GPipe:
-        """A new pipe of `layout` over the same layers (closed by the caller)."""
+    def build(self, cut: Cut) -> GPipe:
+        """A new pipe of `cut` over the same layers (closed by the caller)."""
 
-    def rebuild(self, pipe: GPipe, layout: Layout) -> None:
-        """`pipe` itself rebuilt with `layout` (its old runtime closed first)."""
+    def rebuild(self, pipe: GPipe, cut: Cut) -> None:
+        """`pipe` itself rebuilt with `cut` (its old runtime closed first)."""
 
-    def cells_of(self, layout: Layout, pipe: GPipe) -> nn.Sequential:
-        """The layers gf.plan prices for `layout`, one entry per layer of its balance."""
+    def cells_of(self, cut: Cut, pipe: GPipe) -> nn.Sequential:
+        """The layers gf.plan prices for `cut`, one entry per layer of its balance."""
 
     def cuts(self, cells: int) -> list[tuple[str, ...]] | None:
         """gf.pipeline: the split points to try for `cells` cells (None: cut by a balance)."""
@@ -201,7 +201,7 @@ class AutoPipe:
         return tuning
 
     def use(self, pipe: GPipe, tuning: Any) -> None:
-        """Runs the next steps as `tuning` chose (its layout is the pipe's already)."""
+        """Runs the next steps as `tuning` chose (its cut is the pipe's already)."""
         self.current = tuning
         pipe.chunks = tuning.choice.chunks
         pipe.checkpoint = tuning.choice.checkpoint
@@ -220,21 +220,21 @@ def signature(pipe: GPipe, input: Value | None) -> int:
     input's tensors, hashed where cell 0 runs and told to the others."""
     local = 0
     pipeline = pipe._pipeline
-    layout = pipe.layout
-    if input is not None and layout.is_local(0):
+    processes = pipe.layout
+    if input is not None and processes.is_local(0):
         tensors = as_tensors(input, "input")
         local = hash(tuple((tuple(t.shape), str(t.dtype)) for t in tensors)) & ((1 << 62) - 1)
     groups = pipeline.groups if pipeline is not None else None
     return local if groups is None else groups.signature(local)
 
 
-def current_layout(pipe: GPipe) -> Layout:
+def current_cut(pipe: GPipe) -> Cut:
     split = getattr(pipe, "split_points", None)
-    return Layout(pipe.schedule, tuple(pipe.balance), None if split is None else tuple(split))
+    return Cut(pipe.schedule, tuple(pipe.balance), None if split is None else tuple(split))
 
 
 def rebuilt(pipe: GPipe, init: Callable[[], None]) -> None:
-    """Runs `init` (the pipe's own __init__ with another layout) on `pipe`, keeping what
+    """Runs `init` (the pipe's own __init__ with another cut) on `pipe`, keeping what
     the caller set on it: its tuning, its mode and step timeout."""
     auto, training, timeout = pipe._auto, pipe.training, pipe.step_timeout
     pipe.close()
@@ -263,16 +263,16 @@ class SequentialBuilder:
         if self.arguments.get("devices") is None and not pipe.layout.multi_process:
             self.arguments["devices"] = worker_devices(pipe)
 
-    def build(self, layout: Layout) -> GPipe:
-        return self.pipe_class(self.module, list(layout.balance), schedule=layout.schedule,
+    def build(self, cut: Cut) -> GPipe:
+        return self.pipe_class(self.module, list(cut.balance), schedule=cut.schedule,
                                **self.arguments)  # fmt: skip
 
-    def rebuild(self, pipe: GPipe, layout: Layout) -> None:
+    def rebuild(self, pipe: GPipe, cut: Cut) -> None:
         init = self.pipe_class.__init__
-        rebuilt(pipe, lambda: init(pipe, self.module, list(layout.balance),
-                                   schedule=layout.schedule, **self.arguments))  # fmt: skip
+        rebuilt(pipe, lambda: init(pipe, self.module, list(cut.balance),
+                                   schedule=cut.schedule, **self.arguments))  # fmt: skip
 
-    def cells_of(self, layout: Layout, pipe: GPipe) -> nn.Sequential:
+    def cells_of(self, cut: Cut, pipe: GPipe) -> nn.Sequential:
         return self.module
 
     def cuts(self, cells: int) -> list[tuple[str, ...]] | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from gpipe_fast.api.auto import GPipe, Layout, rebuilt, worker_devices
+from gpipe_fast.api.auto import Cut, GPipe, rebuilt, worker_devices
 from gpipe_fast.api.gpipe import GPipe as Pipe
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import discover, repeated_blocks
@@ -47,24 +47,24 @@ class ModelBuilder:
                                                  list(split_points))  # fmt: skip
         return self._plans[split_points]
 
-    def build(self, layout: Layout) -> GPipe:
-        points = layout.split_points or ()
+    def build(self, cut: Cut) -> GPipe:
+        points = cut.split_points or ()
         return self.pipe_class(self.model, self.plan(points), list(points),
-                               schedule=layout.schedule, **self.arguments)  # fmt: skip
+                               schedule=cut.schedule, **self.arguments)  # fmt: skip
 
-    def rebuild(self, pipe: GPipe, layout: Layout) -> None:
-        points = layout.split_points or ()
+    def rebuild(self, pipe: GPipe, cut: Cut) -> None:
+        points = cut.split_points or ()
         plan = self.plan(points)
         init = self.pipe_class.__init__
         present = list(pipe._first_stage.present)  # the inputs of the step being tuned for
         rebuilt(pipe, lambda: init(pipe, self.model, plan, list(points),
-                                   schedule=layout.schedule, **self.arguments))  # fmt: skip
+                                   schedule=cut.schedule, **self.arguments))  # fmt: skip
         pipe._first_stage.present = present
 
-    def cells_of(self, layout: Layout, pipe: GPipe) -> nn.Sequential:
-        """The stages of `layout` as layers (stage 0 mapping the step's tuple of inputs as the
+    def cells_of(self, cut: Cut, pipe: GPipe) -> nn.Sequential:
+        """The stages of `cut` as layers (stage 0 mapping the step's tuple of inputs as the
         tuned pipe's does)."""
-        cells = stage_cells(self.model, self.plan(layout.split_points or ()))
+        cells = stage_cells(self.model, self.plan(cut.split_points or ()))
         first: Any = cells[0]
         first.present = list(pipe._first_stage.present)
         return nn.Sequential(OrderedDict((f"stage{k}", c) for k, c in enumerate(cells)))

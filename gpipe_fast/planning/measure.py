@@ -37,8 +37,8 @@ class Measurement:
     def handoff(self, config: Config, workers: int, *, with_loss: bool = True) -> float:
         """The runtime's seconds per task that make the recorded steps as long as they were
         (`with_loss` False: the loss left out of the costs, as gf.plan's profile has none)."""
-        layout = config.layout
-        schedule = _C.make_schedule(layout.schedule, len(layout.balance), workers,
+        cut = config.cut
+        schedule = _C.make_schedule(cut.schedule, len(cut.balance), workers,
                                     config.chunks, config.checkpoint)  # fmt: skip
         costs = self.costs
         if not with_loss:
@@ -83,7 +83,7 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
         found.update(part)
     return Measurement(
         seconds=agreement.slowest(statistics.median(times)),
-        costs=[found[cell] for cell in range(len(config.layout.balance))],
+        costs=[found[cell] for cell in range(len(config.cut.balance))],
         makespan=agreement.slowest(statistics.median(t.makespan for t in timelines)),
     )
 

@@ -1,6 +1,6 @@
-"""A tuning's candidates, priced by gf.plan: every layout, micro-batch count and checkpoint mode.
+"""A tuning's candidates, priced by gf.plan: every cut, micro-batch count and checkpoint mode.
 
-A layout is a schedule kind with its cells: a balance (the parameters', the profiled time's,
+A cut is a schedule kind with its cells: a balance (the parameters', the profiled time's,
 the memory's, the pipe's own) or, for gf.pipeline, split points. Each candidate gets gf.plan's
 profiled prediction and memory, and, once steps were measured, a prediction calibrated
 from them (see Fit)."""
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpipe_fast import _C
-from gpipe_fast.api.auto import Builder, Config, Layout
+from gpipe_fast.api.auto import Builder, Config, Cut, current_cut
 from gpipe_fast.balancing.balance import balance_by_params, partition
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate
@@ -50,11 +50,11 @@ def space(pipe: Any, builder: Builder, tuned: Any, *, first: bool, moves: bool,
           batch: int, layers: int) -> Space:  # fmt: skip
     """The candidates' space. After the first tuning only chunks and checkpoint change;
     across processes the cells change ranks only when they may `moves`."""
-    current = _layout(pipe)
+    current = current_cut(pipe)
     cells = len(current.balance)
     workers = worker_count(pipe)
     here = pipe.layout.multi_process is False
-    free_cut = first and tuned.layout and (here or moves)
+    free_cut = first and tuned.cut and (here or moves)
     kinds = [(current.schedule, cells)]
     if first and tuned.schedule:
         kinds = []
@@ -93,11 +93,6 @@ def worker_count(pipe: Any) -> int:
     return len(set(pipe._pipeline.stage_workers))
 
 
-def _layout(pipe: Any) -> Layout:
-    split = getattr(pipe, "split_points", None)
-    return Layout(pipe.schedule, tuple(pipe.balance), None if split is None else tuple(split))
-
-
 @dataclass
 class Priced:
     """A candidate with gf.plan's profiled plan of it (None: not priced in seconds)."""
@@ -120,13 +115,13 @@ class Pricing:
         self.workers = workers
         self._planners: dict[tuple[Any, int], Planner] = {}
 
-    def planner(self, layout: Layout) -> Planner:
-        cells = len(layout.balance)
-        key = (layout.split_points, cells)
+    def planner(self, cut: Cut) -> Planner:
+        cells = len(cut.balance)
+        key = (cut.split_points, cells)
         if key not in self._planners:
-            module = self.builder.cells_of(layout, self.pipe)
-            shared = next((p for (cut, _), p in self._planners.items()
-                           if cut == layout.split_points), None)  # fmt: skip
+            module = self.builder.cells_of(cut, self.pipe)
+            shared = next((p for (points, _), p in self._planners.items()
+                           if points == cut.split_points), None)  # fmt: skip
             if shared is not None:  # the same layers: what was measured of them holds
                 self._planners[key] = dataclasses.replace(shared, cells=cells, _overheads={})
             else:
@@ -136,19 +131,19 @@ class Pricing:
                                               copies=self.builder.profiles_copies)  # fmt: skip
         return self._planners[key]
 
-    def layouts(self, kind: str, cells: int, chunks: int, free_cut: bool) -> list[Layout]:
+    def cuts(self, kind: str, cells: int, chunks: int, free_cut: bool) -> list[Cut]:
         """The cuts tried for `kind` on `cells` cells at `chunks` micro-batches."""
-        current = _layout(self.pipe)
+        current = current_cut(self.pipe)
         if not free_cut:
             return [dataclasses.replace(current, schedule=kind)]
-        cuts = self.builder.cuts(cells)
-        if cuts is not None:
-            found = [Layout(kind, (1,) * cells, cut) for cut in cuts]
+        splits = self.builder.cuts(cells)
+        if splits is not None:
+            found = [Cut(kind, (1,) * cells, points) for points in splits]
             if len(current.balance) == cells and current.split_points is not None:
-                found.append(Layout(kind, current.balance, current.split_points))
+                found.append(Cut(kind, current.balance, current.split_points))
             return _unique(found)
         module = self.builder.cells_of(current, self.pipe)
-        planner = self.planner(Layout(kind, (1,) * cells))
+        planner = self.planner(Cut(kind, (1,) * cells))
         balances = [
             balance_by_params(cells, module),
             partition(planner.layer_costs(chunks, kind).total, cells),
@@ -156,40 +151,40 @@ class Pricing:
         ]
         if len(current.balance) == cells:
             balances.append(list(current.balance))
-        return _unique([Layout(kind, tuple(b)) for b in balances])
+        return _unique([Cut(kind, tuple(b)) for b in balances])
 
     def price(self, config: Config) -> Priced:
-        layout = config.layout
-        planner = self.planner(layout)
-        candidate = Candidate(config.chunks, config.checkpoint, layout.schedule)
-        plan = evaluate(planner, list(layout.balance), candidate)
+        cut = config.cut
+        planner = self.planner(cut)
+        candidate = Candidate(config.chunks, config.checkpoint, cut.schedule)
+        plan = evaluate(planner, list(cut.balance), candidate)
         return Priced(config, plan, plan.peak_memory)
 
     def profiled_costs(self, config: Config) -> list[StageCosts]:
         """gf.plan's profiled costs of each cell of `config`, one micro-batch's tasks."""
-        layout = config.layout
-        planner = self.planner(layout)
-        return planner.layer_costs(config.chunks, layout.schedule).stages(list(layout.balance))
+        cut = config.cut
+        planner = self.planner(cut)
+        return planner.layer_costs(config.chunks, cut.schedule).stages(list(cut.balance))
 
     def calibrated(self, config: Config, fit: Fit) -> float:
         """The step of `config` as the measured steps calibrate gf.plan: its profiled task
         costs times the fit's scale, the fit's hand-off per task, its call around them."""
-        layout = config.layout
+        cut = config.cut
         scaled = [
             StageCosts(c.forward * fit.scale, c.backward * fit.scale,
                        c.backward_input * fit.scale, c.backward_weight * fit.scale)
             for c in self.profiled_costs(config)
         ]  # fmt: skip
-        schedule = _C.make_schedule(layout.schedule, len(layout.balance), self.workers,
+        schedule = _C.make_schedule(cut.schedule, len(cut.balance), self.workers,
                                     config.chunks, config.checkpoint)  # fmt: skip
         return predict(schedule, scaled, fit.handoff).step_time + fit.call
 
     def measured_plan(self, config: Config, costs: Sequence[StageCosts], handoff: float,
                       call: float) -> Plan:  # fmt: skip
         """`config`'s plan with its cells' costs as they were measured (its own steps)."""
-        layout = config.layout
-        candidate = Candidate(config.chunks, config.checkpoint, layout.schedule)
-        return plan_with_costs(self.planner(layout), list(layout.balance), candidate,
+        cut = config.cut
+        candidate = Candidate(config.chunks, config.checkpoint, cut.schedule)
+        return plan_with_costs(self.planner(cut), list(cut.balance), candidate,
                                costs, handoff, call)  # fmt: skip
 
 
@@ -215,10 +210,10 @@ def candidates(pricing: Pricing, space: Space, budget: int | None) -> Ranked:
     for kind, cells in kinds:
         for chunks in space.chunks:
             try:
-                layouts = pricing.layouts(kind, cells, chunks, space.free_cut)
-                for layout in layouts:
+                candidate_cuts = pricing.cuts(kind, cells, chunks, space.free_cut)
+                for cut in candidate_cuts:
                     for checkpoint in space.checkpoints:
-                        config = Config(layout, chunks, checkpoint)
+                        config = Config(cut, chunks, checkpoint)
                         if config in found:
                             continue
                         priced = pricing.price(config)
@@ -259,5 +254,5 @@ def fitted(samples: Sequence[Sample]) -> Fit:
     )
 
 
-def _unique(layouts: list[Layout]) -> list[Layout]:
-    return list(dict.fromkeys(layouts))
+def _unique(candidate_cuts: list[Cut]) -> list[Cut]:
+    return list(dict.fromkeys(candidate_cuts))

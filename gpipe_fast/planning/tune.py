@@ -4,7 +4,7 @@ gf.plan ranks the candidates (planning/price.py); the best few run a few steps e
 real job, every rank at once (planning/measure.py); after the first few, the steps measured
 calibrate gf.plan, and a candidate runs only while its calibrated prediction comes near the
 best step measured. The fastest measured is kept, the same on every rank (the source rank
-decides: planning/agree.py), and the pipe is rebuilt with its layout when that changed."""
+decides: planning/agree.py), and the pipe is rebuilt with its cut when that changed."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpipe_fast.api.auto import Builder, Config, Layout, TuneOptions, current_layout, install_tuner
+from gpipe_fast.api.auto import Builder, Config, Cut, TuneOptions, current_cut, install_tuner
 from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
@@ -36,7 +36,7 @@ from gpipe_fast.planning.tuning import Fit, TunedCandidate, Tuning
 from gpipe_fast.planning.untouched import untouched
 from gpipe_fast.schedule.registry import placement
 
-# Candidates run at most; the first few by gf.plan's own ranking (each of another layout or
+# Candidates run at most; the first few by gf.plan's own ranking (each of another cut or
 # micro-batch count), the others only while the calibrated prediction is within WORTH of the
 # best step measured so far.
 MOST_MEASURED = 8
@@ -57,14 +57,14 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
     builder: Builder = auto.builder
     agreement = Agreement(pipe.layout)
     first = not auto.tunings
-    before = current_layout(pipe)
+    before = current_cut(pipe)
     # Across processes a GPipe's layers change ranks only at an explicit tune(), and only
     # when every rank holds the whole model.
     moves = (
         pipe.layout.multi_process
         and builder.moves_layers
         and first
-        and auto.tuned.layout
+        and auto.tuned.cut
         and not options.implicit
         and agreement.everywhere(not _on_meta(builder))
     )
@@ -106,7 +106,7 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
             )
             if len(finalists) > 1:
                 progress.show(MOST_MEASURED - 1, f"the best {len(finalists)} side by side")
-                pipes = [built.get(config.layout) for config in finalists]
+                pipes = [built.get(config.cut) for config in finalists]
                 times = side_by_side(pipes, finalists, step, agreement, FINAL_ROUNDS)
                 if search is not None:
                     search.settle(finalists, times)
@@ -115,7 +115,7 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
             )
         finally:
             built.close()
-    _adopt(pipe, builder, tuning.choice.layout, before, moves, built.moved_layers)
+    _adopt(pipe, builder, tuning.choice.cut, before, moves, built.moved_layers)
     tuning.seconds = time.perf_counter() - started
     progress.close(f"chose {tuning.choice}")
     return tuning
@@ -127,7 +127,7 @@ def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
     processes a failed step fails the tuning on every rank)."""
     alone = agreement.pp_group is None and agreement.dp_group is None
     try:
-        return measure(built.get(config.layout), config, step, agreement), None
+        return measure(built.get(config.cut), config, step, agreement), None
     except (RuntimeError, MemoryError, ValueError, TypeError) as error:
         if not alone:
             raise
@@ -162,28 +162,28 @@ def _budget(pipe: Any, options: TuneOptions) -> int | None:
 
 
 class _Built:
-    """The pipes the candidates run on: the tuned pipe for its own layout, one built per
-    other layout (kept until the end; on several GPUs one at a time, since building one
+    """The pipes the candidates run on: the tuned pipe for its own cut, one built per
+    other cut (kept until the end; on several GPUs one at a time, since building one
     places the shared layers on its devices)."""
 
     def __init__(self, builder: Builder, pipe: Any) -> None:
         self.builder = builder
         self.pipe = pipe
-        self.layout = current_layout(pipe)
+        self.cut = current_cut(pipe)
         cuda = {d for d in pipe.devices if d.type == "cuda"}
         self.exclusive = len(cuda) > 1
-        self.moved_layers = False  # another layout placed the layers (several GPUs)
-        self.pipes: dict[Layout, Any] = {}
+        self.moved_layers = False  # another cut placed the layers (several GPUs)
+        self.pipes: dict[Cut, Any] = {}
 
-    def get(self, layout: Layout) -> Any:
-        if layout == self.layout and not self.moved_layers:
+    def get(self, cut: Cut) -> Any:
+        if cut == self.cut and not self.moved_layers:
             return self.pipe
-        if layout not in self.pipes:
+        if cut not in self.pipes:
             if self.exclusive:
                 self.close()
                 self.moved_layers = True
-            self.pipes[layout] = self.builder.build(layout)
-        return self.pipes[layout]
+            self.pipes[cut] = self.builder.build(cut)
+        return self.pipes[cut]
 
     def close(self) -> None:
         for pipe in self.pipes.values():
@@ -191,20 +191,21 @@ class _Built:
         self.pipes.clear()
 
 
-def _adopt(pipe: Any, builder: Builder, chosen: Layout, before: Layout, moves: bool,
+def _adopt(pipe: Any, builder: Builder, chosen: Cut, before: Cut, moves: bool,
            rebuild: bool) -> None:  # fmt: skip
-    """The pipe rebuilt with the chosen layout when it is another (or when the layers were
+    """The pipe rebuilt with the chosen cut when it is another (or when the layers were
     placed elsewhere meanwhile); across processes, moved layers handed to their new ranks
     first."""
     if chosen == before and not rebuild:
         return
-    layout = pipe.layout
+    processes = pipe.layout
     if moves and (chosen.balance != before.balance or chosen.schedule != before.schedule):
-        ranks = layout.pp_ranks
-        old = layer_ranks(before.balance, [layout.global_rank(k) for k in range(layout.stages)])
-        places = placement(chosen.schedule, len(chosen.balance), layout.pp_size)
+        ranks = processes.pp_ranks
+        cells = range(processes.stages)
+        old = layer_ranks(before.balance, [processes.global_rank(k) for k in cells])
+        places = placement(chosen.schedule, len(chosen.balance), processes.pp_size)
         new = layer_ranks(chosen.balance, [ranks[p] for p in places])
-        move_layers(builder.model, old, new, layout.pp_group)
+        move_layers(builder.model, old, new, processes.pp_group)
     builder.rebuild(pipe, chosen)
 
 
@@ -260,10 +261,10 @@ class _Search:
         if not self.priced:
             return left[0]
         if len(tried) < FIRST_MEASURED or not self.measured:
-            # gf.plan's best of another layout and micro-batch count than those run: steps
+            # gf.plan's best of another cut and micro-batch count than those run: steps
             # that differ in more than their checkpointing calibrate it better.
-            seen = {(c.layout, c.chunks) for c in tried}
-            return next((c for c in left if (c.layout, c.chunks) not in seen), left[0])
+            seen = {(c.cut, c.chunks) for c in tried}
+            return next((c for c in left if (c.cut, c.chunks) not in seen), left[0])
         self.fit = self._fit()
         guesses = {config: self.pricing.calibrated(config, self.fit) for config in left}
         best = min(m.seconds for m in self.measured.values())
@@ -326,27 +327,27 @@ def unpriced(pipe: Any, builder: Builder, the_space: Space) -> list[Priced]:
     """The candidates without gf.plan, in a fixed order: about four micro-batches per cell
     first, then checkpointing from none to all, the kinds as registered; the cuts by
     parameters (gf.pipeline: its first split points) where they are free."""
-    current = current_layout(pipe)
+    current = current_cut(pipe)
     found: list[Priced] = []
     for kind, cells in the_space.kinds:
         cut = current if len(current.balance) == cells else None
         if the_space.free_cut or cut is None:
             cuts = builder.cuts(cells)
             if cuts:
-                cut = Layout(kind, (1,) * cells, cuts[0])
+                cut = Cut(kind, (1,) * cells, cuts[0])
             elif cuts is None:
                 module = builder.cells_of(current, pipe)
-                cut = Layout(kind, tuple(balance_by_params(cells, module)))
+                cut = Cut(kind, tuple(balance_by_params(cells, module)))
         if cut is None:
             continue
-        layout = dataclasses.replace(cut, schedule=kind)
+        cut = dataclasses.replace(cut, schedule=kind)
         for chunks in the_space.chunks:
             for checkpoint in the_space.checkpoints:
-                found.append(Priced(Config(layout, chunks, checkpoint), None))
+                found.append(Priced(Config(cut, chunks, checkpoint), None))
 
     def order(priced: Priced) -> tuple[float, int]:
         config = priced.config
-        wanted = 4 * len(config.layout.balance)
+        wanted = 4 * len(config.cut.balance)
         modes = list(the_space.checkpoints)
         return abs(math.log2(config.chunks / wanted)), modes.index(config.checkpoint)
 
