@@ -7,6 +7,7 @@ gpipe_fast is imported (`install_tuner`)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -223,7 +224,9 @@ def signature(pipe: GPipe, input: Value | None) -> int:
     processes = pipe.layout
     if input is not None and processes.is_local(0):
         tensors = as_tensors(input, "input")
-        local = hash(tuple((tuple(t.shape), str(t.dtype)) for t in tensors)) & ((1 << 62) - 1)
+        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
+        # The same on every process (Python's own hash of a str is salted per process).
+        local = int.from_bytes(hashlib.blake2b(shapes, digest_size=8).digest(), "big") >> 2
     groups = pipeline.groups if pipeline is not None else None
     return local if groups is None else groups.signature(local)
 
