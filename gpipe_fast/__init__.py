@@ -31,6 +31,8 @@ from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan
+from gpipe_fast.planning.tune import tune as _tune  # noqa: F401  (installs the tuner of "auto")
+from gpipe_fast.planning.tuning import TunedCandidate, Tuning
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import (
@@ -55,6 +57,8 @@ __all__ = [
     "Plan",
     "TaskSpan",
     "Timeline",
+    "TunedCandidate",
+    "Tuning",
     "balance_by_costs",
     "balance_by_params",
     "balance_by_size",

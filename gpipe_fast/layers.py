@@ -57,12 +57,12 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         ("api",),
         "`GPipe`, `gf.pipeline`, clipping, the loss scaler, state-dict hooks, device defaults, "
-        "live pipes",
+        'live pipes, what "auto" tunes and the pipes it rebuilds',
     ),
     Layer(
         ("planning",),
         "`gf.plan`: plans, predictions and calibration; the runtime's cost per task, measured "
-        "through a pipe",
+        'through a pipe; the tuning of "auto" pipes: candidates priced, measured, agreed',
     ),
     Layer(
         ("__init__", "balance"),

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_fast.api import optim_state
+from gpipe_fast.api.auto import AutoPipe, Tuned, check_tunable
+from gpipe_fast.api.auto_model import ModelBuilder
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.model_items import model_loss
 from gpipe_fast.balancing.balance import partition
@@ -214,6 +216,9 @@ class ModelPipe(GPipe):
             count_tensor = torch.full((), count, dtype=torch.int64, device=self.devices[-1])
             last.loss_kwargs = {"num_items_in_batch": count_tensor}
 
+    def tune(self, input: Any, target: Any, loss_fn: LossFn, *args: Any, **kwargs: Any) -> Any:
+        return super().tune(self._as_input(input), target, loss_fn, *args, **kwargs)
+
 
 def pipeline(
     model: nn.Module,
@@ -239,9 +244,16 @@ def pipeline(
     for real, in evaluation mode without gradients). Every other keyword is
     :class:`GPipe`'s (``devices``, ``chunks``, ``checkpoint``, ``schedule``, ``pp_group``,
     ``dp_group``, ``timeout``, ``init_fn``, ...) except ``balance``, which split points
-    replace. ``pipe.split_points`` lists the ones in use."""
+    replace. ``pipe.split_points`` lists the ones in use. With ``schedule="auto"`` and no
+    split points given, the split points are tuned too (in one process; see
+    :meth:`GPipe.tune`)."""
     if "balance" in kwargs:
         raise TypeError("balance: gf.pipeline cuts the model at split_points instead")
+    tuned = Tuned.of(kwargs.get("schedule"), kwargs.get("chunks"), kwargs.get("checkpoint"),
+                     cut_given=split_points is not None)  # fmt: skip
+    if tuned is not None:  # built as the initial values say, tuned at its first step
+        check_tunable(tuned, bool(kwargs.get("dp_shard", False)))
+        kwargs = tuned.resolve(kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if split_points is None:
@@ -259,7 +271,10 @@ def pipeline(
             f"{len(split_points) + 1} stages"
         )
     plan = discover(model, example_inputs, list(split_points))
-    return ModelPipe(model, plan, list(split_points), **kwargs)
+    pipe = ModelPipe(model, plan, list(split_points), **kwargs)
+    if tuned is not None:
+        AutoPipe(tuned, ModelBuilder(model, example_inputs, kwargs, pipe)).attach(pipe)
+    return pipe
 
 
 def _default_stages(kwargs: dict[str, Any]) -> int:

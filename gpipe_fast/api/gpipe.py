@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_fast.api import live_pipes, optim_state, state_dict
+from gpipe_fast.api.auto import AutoPipe, SequentialBuilder, Tuned, TuneOptions, check_tunable
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
@@ -105,7 +106,10 @@ class GPipe(nn.Module):
     ``devices[s % len(devices)]``, V cells per device's worker), "zero_bubble" (ZB-H1) or
     "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``), or a kind
     registered with :func:`gpipe_fast.register_schedule_kind`.
-    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
+    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain. ``schedule``,
+    ``chunks`` and ``checkpoint`` may be "auto": the pipe then chooses them (and, for
+    ``schedule="auto"`` without a ``balance``, its cells) by measuring, at its first
+    :meth:`train_step` or at :meth:`tune`.
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
     runs cells r, r + P, ... (zbv: r and 2P-1-r); with ``dp_group``, replicas' gradients
@@ -149,7 +153,7 @@ class GPipe(nn.Module):
         balance: Sequence[int] | None = None,
         *,
         devices: Sequence[Device] | None = None,
-        chunks: int = 1,
+        chunks: int | str = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         recompute_pool: bool = False,
@@ -163,7 +167,13 @@ class GPipe(nn.Module):
         dp_shard_sync: str = "per_microbatch",
         reshard_after_forward: bool = True,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
+        self._auto: AutoPipe | None = None
+        tuned = Tuned.of(schedule, chunks, checkpoint, cut_given=balance is not None)
+        if tuned is not None:
+            check_tunable(tuned, dp_shard)
+            schedule, chunks, checkpoint = tuned.initial(schedule, chunks, checkpoint)
         dp_group = dp_group_of(dp_group)
         check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
         module = check_sequential(module)
@@ -317,6 +327,8 @@ class GPipe(nn.Module):
                 gather=partial(optim_state.gather_over_pipeline, self._pipeline.groups),
                 ranks=layout.pp_ranks,
             ))  # fmt: skip
+        if tuned is not None:
+            AutoPipe(tuned, SequentialBuilder(module, arguments, self)).attach(self)
 
     def _place_key(self, name: str) -> str:
         """A tensor's name in its cell ("<layer>.<name>") as the model's key: with
@@ -479,6 +491,9 @@ class GPipe(nn.Module):
         if pipeline is None:  # no cells: the loss of the input itself
             return _identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
+        if self._auto is not None:  # tunes at a new input signature (may rebuild the cells)
+            self._auto.before_step(self, input, target, loss_fn, reduction)
+            pipeline = cast(Pipeline, self._pipeline)
         loss_scale = None
         if grad_scaler is not None and grad_scaler.is_enabled():
             # Every rank asks, so that every rank's scaler is ready to unscale_.
@@ -490,6 +505,48 @@ class GPipe(nn.Module):
             reduction, loss_scale, counting,
         )  # fmt: skip
         return self._timed_step(lambda: run_step(pipeline, train, input, target))
+
+    def tune(
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: LossFn,
+        memory_per_device: int | None = None,
+        budget_s: float | None = None,
+        *,
+        reduction: str = "mean",
+        progress: bool = True,
+    ) -> Any:
+        """Chooses what the pipe was built with as "auto" (``schedule``, with it the cells
+        unless ``balance`` was given; ``chunks``; ``checkpoint``) for batches like `input`:
+        ranks the candidates with :func:`gpipe_fast.plan` (those whose predicted peak fits
+        `memory_per_device` bytes), runs the best few for a few steps each on this job, on
+        every rank at once, and keeps the fastest (the same on every rank). Returns
+        :attr:`tuning`. The steps change nothing of the model: parameters, gradients,
+        buffers, the input's gradient and the random generators are as they were. `budget_s`
+        bounds the seconds spent measuring; a bar shows the progress (`progress`).
+
+        A pipe built with "auto" tunes at its first ``train_step``, and again at each new
+        input signature (shapes and dtypes); this call tunes now. Across processes the cells
+        of a GPipe may move between ranks here (not at a ``train_step``): call it on every
+        rank, before building the optimizer over ``pipe.parameters()``."""
+        if self._auto is None:
+            raise ValueError(
+                "pipe.tune: nothing to tune; build the pipe with schedule='auto', "
+                "chunks='auto' or checkpoint='auto'"
+            )
+        if self._pipeline is None:
+            raise ValueError("pipe.tune: an empty pipe has no cells to tune")
+        self._check_initialised()
+        options = TuneOptions(memory_per_device, budget_s, reduction=reduction, progress=progress)
+        return self._auto.tune(self, input, target, loss_fn, options)
+
+    @property
+    def tuning(self) -> Any:
+        """What the last tuning chose for the current input signature and why (a
+        :class:`~gpipe_fast.Tuning`: the choice, every candidate's predicted and measured
+        step, the calibrated plan); None before the first tuning or without "auto"."""
+        return None if self._auto is None else self._auto.current
 
     def clip_grad_norm_(
         self,

@@ -14,7 +14,13 @@ from torch.distributed import distributed_c10d as c10d
 from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.shm_links import BATCH_TAG, ITEMS_TAG, LOSS_TAG, ShmLinks
+from gpipe_fast.distributed.shm_links import (
+    BATCH_TAG,
+    ITEMS_TAG,
+    LOSS_TAG,
+    SIGNATURE_TAG,
+    ShmLinks,
+)
 from gpipe_fast.distributed.transports.wire import DTYPES
 from gpipe_fast.nn.microbatch import split_sizes
 
@@ -201,6 +207,17 @@ class ProcessGroups:
                     "every replica labels, or none"
                 )
         return local, total
+
+    def signature(self, local: int) -> int:
+        """A step's input signature on every rank (a pipe built with "auto" tunes at a new
+        one): cell 0's rank tells the others its `local` one; replicas take the largest."""
+        message = torch.tensor([local], dtype=torch.int64, device=self.device)
+        if self.layout.multi_process:
+            source = self.layout.global_rank(0)
+            self._broadcast(message, source, SIGNATURE_TAG, "the input's signature")
+        if self.layout.dp_group is not None:
+            self._reduce(message, "max", self.layout.dp_group, "the replicas' input signatures")
+        return int(message.item())
 
     def loss(self, local: Tensor | None) -> Tensor:
         """The loss of the whole batch on every rank, in the last cell's dtype: the last

@@ -38,8 +38,9 @@ SHARED_MEMORY = "shared memory"
 # cell 0's rank, the loss from the last cell's), when all its ranks share one host.
 CONTROL = 2
 # Their tags on that lane: one message of each per step, taken in the order sent (the items
-# of a loss that averages over counted ones, from cell 0's rank, in the steps that count them).
-BATCH_TAG, LOSS_TAG, ITEMS_TAG = 0, 1, 2
+# of a loss that averages over counted ones, from cell 0's rank, in the steps that count them;
+# the input's signature only for pipes that tune themselves: see ProcessGroups.signature).
+BATCH_TAG, LOSS_TAG, ITEMS_TAG, SIGNATURE_TAG = 0, 1, 2, 3
 
 
 def lane(flow: Flow) -> int:
