@@ -325,9 +325,13 @@ class Guard:
         with self._watch(what, peer, suspects) as watch:
             while not waiting.done.wait(CHECK_EVERY_S):
                 watch()
-        if waiting.error is not None:
+        error = waiting.error
+        if error is not None:
             self.check()  # a failure reported elsewhere explains it best
-            raise self.lost(what, peer, waiting.error, suspects) from waiting.error
+            if isinstance(error, TimeoutError) or "timed out" in _first_line(error).lower():
+                # The group's own timeout (a sharded cell's is the pipe's) came first.
+                raise self.timed_out(what, peer, suspects) from error
+            raise self.lost(what, peer, error, suspects) from error
 
     def poll(
         self,
