@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from cluster import Cluster, values
 
 from gpipe_fast.distributed import guard as guard_module
 from gpipe_fast.distributed.guard import Guard, PeerFailure, _cause, _first_line
@@ -134,6 +135,22 @@ def test_a_helper_thread_that_cannot_start_fails_the_wait_at_once(
     with pytest.raises(RuntimeError, match="a thread to wait on another rank did not start"):
         guard.wait(_Request(), "an activation", peer=1)
     assert time.monotonic() - start < 100  # far from the timeout
+
+
+def test_a_thread_that_cannot_start_fails_the_step_on_every_rank_at_once(two: Cluster) -> None:
+    # Rank 1's thread does not start within 1 s: its step fails, and so does rank 0's, far
+    # sooner than the pipe's timeout (120 s), naming rank 1.
+    try:
+        (kind0, said0, seconds0), (kind1, said1, _) = values(
+            two.run("guard_cases.thread_cannot_start", starts_s=1.0)
+        )
+    finally:
+        two.reset()
+    assert kind1 == "RuntimeError" and "a thread to wait on another rank did not start" in said1
+    assert kind0 == "PeerFailure"
+    assert "the step failed on rank 1: RuntimeError: " in said0
+    assert "did not start within 1 s" in said0
+    assert seconds0 < 60
 
 
 def test_each_wait_in_flight_gets_a_helper_thread() -> None:
