@@ -185,7 +185,6 @@ SLOW: dict[str, Rule] = {
     "test_sharded.py::test_gradients_accumulate_across_steps": _not(schedule="zbv"),
     "test_sharded.py::test_any_model_sharded_over_dp": _not(model="gpt2"),
     "test_sharded.py::test_a_weight_tied_across_ranks_is_sharded": _not(schedule="1f1b"),
-    "test_sharded.py::test_a_failed_replica_ends_the_others_step_within_the_timeout": True,
     # Failures under dp_shard: a rank that raises, every victim of pp 2 x dp 2 under both
     # policies, runs in the pool (under a second each); one that dies takes a job of four
     # fresh processes (20 s), so its sweep runs in full, one victim in the fast suite.

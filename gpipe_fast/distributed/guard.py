@@ -62,8 +62,6 @@ def _first_line(error: BaseException) -> str:
 # address, then advice about the remote worker).
 _GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h)(?::\d+)?\]\s*")
 _GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by.*$")
-
-
 # How gloo (and the store) word a connection the other end's death broke.
 LOST_CONNECTION = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
@@ -79,7 +77,7 @@ def _cause(error: BaseException) -> str:
 
 
 def _ranks(ranks: Sequence[int]) -> str:
-    """ "rank 3", or "ranks 1, 2" for several."""
+    """The ranks in words: rank 3, or ranks 1, 2."""
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks))
@@ -125,10 +123,9 @@ class _Waiters:
                 _wait_all(waiting.requests)
             except BaseException as error:
                 waiting.error = error
-            finally:
-                waiting.done.set()
-            with self.lock:
+            with self.lock:  # free before its waiter hears: the next wait finds this thread
                 self.free += 1
+            waiting.done.set()
 
     def submit(self, requests: Sequence[Any]) -> _Waiting:
         with self.lock:
@@ -476,7 +473,7 @@ class Guard:
         """Reports `dead` (a rank, how it ended or that it did not answer) as the step's
         failure, with what this rank `seen`; the failure every rank reads, as a PeerFailure
         (an earlier report wins)."""
-        self.report(f"{dead[1]}; {seen}" if seen else dead[1], rank=dead[0])
+        self.report(f"{dead[1]}; {seen}", rank=dead[0])
         return PeerFailure(f"gpipe_fast: the step failed on {self.failure() or self.local}")
 
 
