@@ -39,7 +39,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(("transport",), "the `Transport` protocol, the in-process transport"),
     Layer(
         ("distributed",),
-        "process layouts, the guard of every wait, process groups, gradient reductions, the "
+        "process layouts, the ranks' agreement at build, the guard of every wait, process "
+        "groups, gradient reductions, sharded stages and their guarded collectives, the "
         "transport across processes and its media (`distributed/transports/`), the "
         "cross-process side of the step path",
     ),

@@ -194,10 +194,24 @@ SLOW: dict[str, Rule] = {
     "test_sharded.py::test_gradients_accumulate_across_steps": _not(schedule="zbv"),
     "test_sharded.py::test_any_model_sharded_over_dp": _not(model="gpt2"),
     "test_sharded.py::test_a_weight_tied_across_ranks_is_sharded": _not(schedule="1f1b"),
-    "test_sharded.py::test_a_failed_replica_ends_the_others_step_within_the_timeout": True,
     # "auto" across processes keeps its two-rank cases in the fast suite; the 2 x 2 mesh
     # starts four workers for one more agreement.
     "test_tune_processes.py::test_a_pp_by_dp_mesh_tunes_as_one": True,
+    # Failures under dp_shard: a rank that raises, every victim of pp 2 x dp 2 under both
+    # policies, runs in the pool (under a second each); one that dies takes a job of four
+    # fresh processes (20 s), so its sweep runs in full, one victim in the fast suite.
+    "test_sharded_comms.py::test_a_rank_that_dies_is_named_by_every_other": _not(
+        victim=1, sync="per_step"
+    ),
+    "test_sharded_comms.py::test_a_slow_rank_is_named_as_slow_by_every_rank_itself_included": (
+        _not(shard=True)
+    ),
+    # Ranks that build differently: two ranks name every argument in the fast suite; pp 2 x
+    # dp 2 (dp_shard and its policy, four more processes to start) in full.
+    "test_agreement.py::test_every_rank_of_pp2_by_dp2_names_the_argument_that_differs": True,
+    # Ctrl-C across processes: the interrupted rank waiting for its peer or in a collective;
+    # Ctrl-C inside a long forward, its peer told, in full.
+    "test_ctrl_c_processes.py::test_a_peer_learns_of_ctrl_c_inside_a_long_forward_at_once": True,
 }
 
 

@@ -46,6 +46,8 @@ class ModelPipe(GPipe):
         aliases = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases[name] = first_names.setdefault(id(param), name)
+        # Compared across the ranks at build (GPipe._agree_across_ranks), before any cell is.
+        self.__dict__["_given_split_points"] = list(split_points)
         cells = stage_cells(model, plan)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
@@ -63,6 +65,9 @@ class ModelPipe(GPipe):
         self._warned_count = False
         if self._pipeline is not None:
             self._pipeline.targets_optional = True
+
+    def _agreed_cut(self) -> dict[str, object]:
+        return {"split_points": self.__dict__["_given_split_points"]}
 
     def _as_input(self, inputs: Any) -> tuple[Tensor, ...] | None:
         """The model's inputs in the form of example_inputs, as the pipe's tuple of tensors

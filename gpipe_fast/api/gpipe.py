@@ -34,8 +34,9 @@ from gpipe_fast.arguments import (
 from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.device import host
 from gpipe_fast.distributed import beside
+from gpipe_fast.distributed.agreement import agree, stage_parameters
 from gpipe_fast.distributed.host_peers import host_peers
-from gpipe_fast.distributed.layout import check_device, make_layout
+from gpipe_fast.distributed.layout import check_device, check_groups, make_layout
 from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
 from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
@@ -188,12 +189,24 @@ class GPipe(nn.Module):
         if skippable:
             verify_skippables(module)  # TypeError naming every unmatched stash or pop
 
+        # What every rank must build alike, compared across the ranks before anything else
+        # runs across them (see _agree_across_ranks).
+        agreed = {
+            "chunks": chunks,
+            "checkpoint": checkpoint,
+            "schedule": schedule,
+            "deferred_batch_norm": deferred_batch_norm,
+            "dp_shard": dp_shard,
+            "dp_shard_sync": dp_shard_sync if dp_shard else None,
+            "reshard_after_forward": reshard_after_forward if dp_shard else None,
+        }
         if pp_group is not None:
             size = dist.get_world_size(pp_group)
             if balance is None:  # the cells the schedule runs on each process (1 unless fixed)
                 per = schedule_kind(schedule).stages_per_worker or 1
                 balance = balance_by_params(size * per, module)
             balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
+            self._agree_across_ranks(module, balance, agreed, pp_group, dp_group, timeout)
             layout = make_layout(pp_group, dp_group, len(balance), schedule)
             device = check_device(devices, layout)
             resolved_devices = [device] * len(balance)
@@ -203,6 +216,8 @@ class GPipe(nn.Module):
             if balance is None:
                 balance = default_balance(module, given_devices, schedule)
             balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
+            if dp_group is not None:
+                self._agree_across_ranks(module, balance, agreed, None, dp_group, timeout)
             layout = make_layout(None, dp_group, len(balance), schedule)
             resolved_devices, stage_workers = single_process_devices(
                 given_devices, balance, schedule
@@ -329,6 +344,43 @@ class GPipe(nn.Module):
             ))  # fmt: skip
         if tuned is not None:
             AutoPipe(tuned, SequentialBuilder(module, arguments, self)).attach(self)
+
+    def _agree_across_ranks(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int],
+        arguments: dict[str, object],
+        pp_group: Any | None,
+        dp_group: Any | None,
+        timeout: float,
+    ) -> None:
+        """The same ValueError on every rank when the ranks build this pipe differently: its
+        cut (the balance, and a pipe of any model's split points), the arguments that shape
+        its steps, its groups' sizes, and each stage's parameters by name and shape. One
+        all-gather of a digest, before any other communication of the build: no rank then
+        waits in a collective another will not run, and no step runs on a disagreement."""
+        check_groups(pp_group, dp_group)
+        named = list(module._modules.items())
+        cells, start = [], 0
+        for size in balance:  # each cell's layers, as the pipe will cut them
+            cells.append(nn.Sequential(OrderedDict(named[start : start + size])))
+            start += size
+        groups = {
+            name: None if group is None else dist.get_world_size(group)
+            for name, group in (("pp_group size", pp_group), ("dp_group size", dp_group))
+        }
+        agree({
+            **self._agreed_cut(),
+            "balance": list(balance),
+            **arguments,
+            **groups,
+            "parameters": stage_parameters(cells, drop_layer=self._transparent_layers),
+        }, timeout)  # fmt: skip
+
+    def _agreed_cut(self) -> dict[str, object]:
+        """How the model was cut, beyond the balance, for the ranks to compare (gf.pipeline:
+        its split points)."""
+        return {}
 
     def _place_key(self, name: str) -> str:
         """A tensor's name in its cell ("<layer>.<name>") as the model's key: with

@@ -227,9 +227,18 @@ class CrossProcess:
                 self.report(error)
                 raise
         if sharding is not None:
-            sharding.check_order()
-            sharding.reshard()
+            try:
+                sharding.check_order()
+                sharding.reshard()
+            except BaseException as error:
+                self.report(error)
+                raise
         return result
+
+    def interrupt(self) -> None:
+        """Ctrl-C stopped this rank's run: every rank is told at once, as of a failure, so
+        that the other ranks' waits end, and so do this rank's own (which end its tasks)."""
+        self.report(KeyboardInterrupt("interrupted (Ctrl-C)"))
 
     def after_backward(self) -> None:
         """What a backward leaves to sum once every cell's is done: the tied parameters'
@@ -313,7 +322,7 @@ class CrossProcess:
         assert dp is not None, "sharding needs a dp_group"
         self.sharding = Sharding(
             self.modules, devices, dp, sync=sync, reshard_after_forward=reshard_after_forward,
-            split=split, timeout_s=timeout_s,
+            split=split, timeout_s=timeout_s, guard=self.groups.guard,
         )  # fmt: skip
         if self.tied:
             self.tied.refresh(self.modules, (dist.get_world_size(dp), dist.get_rank(dp)))

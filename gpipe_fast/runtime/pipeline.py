@@ -162,6 +162,7 @@ class Pipeline:
             self.devices,
             after_backward=self.side.after_backward,
             deferred_batch_norms=deferred_batch_norms,
+            on_interrupt=self.cross.interrupt if self.cross is not None else None,
         )
         _preload_lazy_imports(random_cells=self.may_draw_random())
         # Keeps the phony leaf alive: every output of pipe(x) hangs off it.
