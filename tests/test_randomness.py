@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gpipe_fast as gf
-from gpipe_fast.nn.randomness import TaskRandomness
+from gpipe_fast.nn.randomness import TaskStream
 
 from helpers import mlp
 
@@ -50,15 +50,35 @@ def test_dropout_masks_differ_between_microbatches_and_steps(make_pipe) -> None:
     assert not torch.equal(out, pipe(ones))  # and each step its own seed
 
 
-def test_task_randomness_reports_use() -> None:
-    with TaskRandomness(3) as quiet:
+def test_task_stream_is_the_default_generator_seeded_and_put_back() -> None:
+    cpu = torch.device("cpu")
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    with TaskStream(3, cpu, watch="states") as quiet:
         torch.ones(3).add_(1)
-    with TaskRandomness(3) as noisy:
+    with TaskStream(3, cpu, watch="states") as noisy:
         a = torch.rand(4)
-    with TaskRandomness(3):
+    with TaskStream(3, cpu):
         b = torch.rand(4)
-    assert not quiet.used and noisy.used
+    assert not quiet.drew and noisy.drew
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, torch.rand(4, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's generator untouched
+
+
+def test_task_stream_watching_ops_sees_a_draw_its_states_cannot() -> None:
+    # torch.utils.checkpoint restores the generators around its recompute: a draw in there
+    # leaves their states as they were, but an op watch sees it.
+    cpu = torch.device("cpu")
+    with TaskStream(3, cpu, watch="ops") as watched:
+        with torch.random.fork_rng():
+            torch.rand(2)
+    with TaskStream(3, cpu, watch="states") as compared:
+        with torch.random.fork_rng():
+            torch.rand(2)
+    with TaskStream(3, cpu, watch="ops") as quiet:
+        torch.ones(2).mul_(2)
+    assert watched.drew and not compared.drew and not quiet.drew
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])

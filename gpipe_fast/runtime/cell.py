@@ -11,8 +11,9 @@ from torch import Tensor, nn
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
 from gpipe_fast.nn.checkpoint import pass_flags
+from gpipe_fast.nn.compiled import holds_compiled
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
-from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
+from gpipe_fast.nn.randomness import BACKWARD, TaskStream, may_draw_random, task_seed
 from gpipe_fast.skip.cell_tracker import CellSkipTracker
 from gpipe_fast.skip.tracker import SkipKey, use_skip_tracker
 
@@ -82,10 +83,16 @@ class Cell:
         self.batch_norms = plain_batch_norms(module)
         self.stream = streams.streams[index]  # None on a CPU cell
         self.prepared = False
-        # training mode -> whether the cell drew random numbers; absent means unknown.
+        # training mode -> whether the cell's forward drew random numbers; absent: unknown.
         self.random: dict[bool, bool] = {}
         if not may_draw_random(module):
             self.random = {True: False, False: False}
+        # Whether a backward of the cell draws random numbers (a model's own checkpoint
+        # recomputing a forward that drew); None: not seen yet.
+        self.backward_draws: bool | None = None
+        # Per layer, whether it holds compiled code, whose backward is one compiled function:
+        # a split backward runs it whole in backward_input.
+        self.whole_backward = [holds_compiled(layer) for layer in module]
 
     @property
     def learns(self) -> bool:
@@ -116,7 +123,7 @@ class Cell:
         skips: CellSkipTracker | None = None,
     ) -> Tree:
         """The cell on one micro-batch under what its forward needs: its worker's settings,
-        its stream, the caller's autocast, the pass flags, the task's own random generators
+        its stream, the caller's autocast, the pass flags, the task's own random stream
         and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
         by one with the graph cut between them, each layer's (input leaves, outputs) appended
         there, so that input and weight gradients can be computed apart (zero bubble). With
@@ -145,15 +152,32 @@ class Cell:
             stack.enter_context(flags)
             stack.enter_context(frozen_running_stats(batch_norms))
             stack.enter_context(torch.set_grad_enabled(grad))
-            randomness = None
-            if random:
-                randomness = stack.enter_context(
-                    TaskRandomness(task_seed(seed, self.index, microbatch))
-                )
+            stream = None
+            if random:  # last: the generators are held for the forward alone
+                watch = None if training in self.random else "states"
+                stream = TaskStream(task_seed(seed, self.index, microbatch), self.device,
+                                    watch=watch)  # fmt: skip
+                stack.enter_context(stream)
             output = self._forward(value, boundaries, skips)
-        if randomness is not None:
-            self.random[training] = randomness.used
+        if stream is not None and stream.watch is not None:
+            self.random[training] = stream.drew
         return output
+
+    def backward_stream(self, seed: int, microbatch: int) -> TaskStream | None:
+        """The random stream a backward task of the cell runs in (None: none needed): a
+        backward that recomputes a forward that drew (a model's own checkpoint inside the
+        cell) must hold the generators, whose states that checkpoint restores to replay its
+        forward's draws. Whether it does is watched on the cell's first backward."""
+        if self.backward_draws is False or not self.random.get(True, True):
+            return None
+        watch = "ops" if self.backward_draws is None else None
+        return TaskStream(task_seed(seed, self.index, microbatch, BACKWARD), self.device,
+                          watch=watch)  # fmt: skip
+
+    def backward_seen(self, stream: TaskStream | None) -> None:
+        """Records what the first watched backward found."""
+        if stream is not None and stream.watch is not None:
+            self.backward_draws = stream.drew
 
     def _forward(
         self, value: Tree, boundaries: list[Boundary] | None, skips: CellSkipTracker | None
