@@ -186,6 +186,8 @@ SLOW: dict[str, Rule] = {
     "test_sharded.py::test_any_model_sharded_over_dp": _not(model="gpt2"),
     "test_sharded.py::test_a_weight_tied_across_ranks_is_sharded": _not(schedule="1f1b"),
     "test_sharded.py::test_a_failed_replica_ends_the_others_step_within_the_timeout": True,
+    # Compiled blocks: every schedule in the default mode; the other modes in full.
+    "test_compiled.py::test_compiled_blocks_run_compiled_and_exact": DEFAULT_MODE,
 }
 
 

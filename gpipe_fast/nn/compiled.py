@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import types
 import warnings
 import weakref
 
@@ -27,7 +28,14 @@ def is_compiled(module: nn.Module) -> bool:
     if module.__dict__.get("_compiled_call_impl") is not None:
         return True
     optimized = _optimized_module()
-    return optimized is not None and isinstance(module, optimized)
+    if optimized is None or not isinstance(module, optimized):
+        return False
+    forward = module.__dict__.get("forward")  # uncompile() makes it the wrapped module's call
+    return not (isinstance(forward, types.MethodType) and forward.__self__ is _wrapped(module))
+
+
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    return module._modules.get("_orig_mod")
 
 
 def holds_compiled(module: nn.Module) -> bool:
@@ -37,8 +45,9 @@ def holds_compiled(module: nn.Module) -> bool:
 
 def original(module: nn.Module) -> nn.Module:
     """The module a `torch.compile(module)` wraps; any other module itself."""
-    inner = module._modules.get("_orig_mod")
-    return inner if inner is not None and is_compiled(module) else module
+    optimized = _optimized_module()
+    inner = _wrapped(module)
+    return inner if inner is not None and optimized and isinstance(module, optimized) else module
 
 
 def uncompile(module: nn.Module) -> None:

@@ -239,6 +239,19 @@ class Pipeline:
     def may_draw_random(self) -> bool:
         return any(cell.may_draw_random() for cell in self.local_cells)
 
+    def whole_backward_cells(self) -> list[int]:
+        """The local cells whose split backward runs their compiled layers' backward whole
+        in backward_input (none unless the kind splits the backward; sharded cells split
+        theirs as ever)."""
+        if not self.split_backward:
+            return []
+        sharded = self.sharding.cells if self.sharding is not None else {}
+        return [
+            cell.index
+            for cell in self.local_cells
+            if any(cell.whole_backward) and cell.index not in sharded
+        ]
+
     def set_recording(self, on: bool) -> None:
         """Records the task spans of the next steps (on) or stops and forgets them (off)."""
         self.runner.set_recording(on)
