@@ -188,6 +188,9 @@ SLOW: dict[str, Rule] = {
     "test_sharded.py::test_a_failed_replica_ends_the_others_step_within_the_timeout": True,
     # Compiled blocks: every schedule in the default mode; the other modes in full.
     "test_compiled.py::test_compiled_blocks_run_compiled_and_exact": DEFAULT_MODE,
+    # A model's own checkpoint with dropout: every schedule in the default mode.
+    "test_randomness.py::test_a_models_own_checkpoint_replays_its_dropout": DEFAULT_MODE,
+    "test_randomness.py::test_gpt2_with_dropout_and_gradient_checkpointing": DEFAULT_MODE,
 }
 
 

@@ -87,9 +87,11 @@ class Cell:
         self.random: dict[bool, bool] = {}
         if not may_draw_random(module):
             self.random = {True: False, False: False}
-        # Whether a backward of the cell draws random numbers (a model's own checkpoint
-        # recomputing a forward that drew); None: not seen yet.
-        self.backward_draws: bool | None = None
+        # Per backward action (backward, backward_input, backward_weight), whether it draws
+        # random numbers (a model's own checkpoint recomputing a forward that drew); absent:
+        # not seen yet. Each action apart: backward_input may have nothing to do on a stage
+        # whose input needs no gradient, where backward_weight recomputes.
+        self.backward_draws: dict[str, bool] = {}
         # Per layer, whether it holds compiled code, whose backward is one compiled function:
         # a split backward runs it whole in backward_input.
         self.whole_backward = [holds_compiled(layer) for layer in module]
@@ -163,21 +165,24 @@ class Cell:
             self.random[training] = stream.drew
         return output
 
-    def backward_stream(self, seed: int, microbatch: int) -> TaskStream | None:
-        """The random stream a backward task of the cell runs in (None: none needed): a
-        backward that recomputes a forward that drew (a model's own checkpoint inside the
-        cell) must hold the generators, whose states that checkpoint restores to replay its
-        forward's draws. Whether it does is watched on the cell's first backward."""
-        if self.backward_draws is False or not self.random.get(True, True):
+    def backward_stream(self, seed: int, microbatch: int, action: str) -> TaskStream | None:
+        """The random stream a backward task (of `action`) of the cell runs in (None: none
+        needed): a backward that recomputes a forward that drew (a model's own checkpoint
+        inside the cell) must hold the generators, whose states that checkpoint restores to
+        replay its forward's draws. Whether it does is watched on the action's first task,
+        until one draws or does the work."""
+        drew = self.backward_draws.get(action)
+        if drew is False or not self.random.get(True, True):
             return None
-        watch = "ops" if self.backward_draws is None else None
+        watch = "ops" if drew is None else None
         return TaskStream(task_seed(seed, self.index, microbatch, BACKWARD), self.device,
                           watch=watch)  # fmt: skip
 
-    def backward_seen(self, stream: TaskStream | None) -> None:
-        """Records what the first watched backward found."""
-        if stream is not None and stream.watch is not None:
-            self.backward_draws = stream.drew
+    def backward_seen(self, stream: TaskStream | None, action: str, *, ran: bool) -> None:
+        """Records what a watched backward task found; one that `ran` no backward (nothing
+        to do) tells nothing, and the next is watched."""
+        if stream is not None and stream.watch is not None and (ran or stream.drew):
+            self.backward_draws[action] = stream.drew
 
     def _forward(
         self, value: Tree, boundaries: list[Boundary] | None, skips: CellSkipTracker | None

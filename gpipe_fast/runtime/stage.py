@@ -319,14 +319,14 @@ class Stage:
                     roots.append(tensor)
                     root_grads.append(grad)
         if roots:
-            stream = self.cell.backward_stream(self.context.seed, m)
+            stream = self.cell.backward_stream(self.context.seed, m, "backward")
             if stream is None and self.cell.stream is None and torch.is_grad_enabled():
                 run_backward(roots, root_grads)  # the common CPU case: no context to enter
             else:
                 with self.cell.streams.on(self.index), torch.enable_grad():
                     with stream if stream is not None else nullcontext():
                         run_backward(roots, root_grads)
-                self.cell.backward_seen(stream)
+                self.cell.backward_seen(stream, "backward", ran=True)
         inputs = tensors_of(self.inputs[m])
         if self.receives:
             received = self.skips_in[m] or {}
@@ -351,7 +351,8 @@ class Stage:
         skip_grads: dict[SkipKey, Any] = {
             key: self._recv_skip(GRADIENT, m, key) for key, _ in self.sends
         }
-        stream = self.cell.backward_stream(self.context.seed, m)
+        stream = self.cell.backward_stream(self.context.seed, m, "backward_input")
+        ran = False
         with ExitStack() as stack:
             stack.enter_context(self.cell.streams.on(self.index))
             stack.enter_context(torch.enable_grad())
@@ -368,6 +369,7 @@ class Stage:
                 ]
                 roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
                 wanted = [t for t in inputs if t.requires_grad]
+                ran = ran or bool(roots and (wanted or learning[i]))
                 if whole is not None and whole[i] and learning[i]:
                     grads = _whole_backward(roots, root_grads, inputs, wanted, learning[i])
                 else:
@@ -384,7 +386,7 @@ class Stage:
                     first = len(inputs) - len(popped)
                     skip_grads.update(zip(popped, grads[first:], strict=True))
                     grads = grads[:first]
-        self.cell.backward_seen(stream)
+        self.cell.backward_seen(stream, "backward_input", ran=ran)
         self.weight_roots[m] = weight_roots
         if self.receives:
             self._send_skip_grads(m, {key: skip_grads.get(key) for key, _ in self.receives})
@@ -399,11 +401,11 @@ class Stage:
         roots = [root for roots, _ in pending for root in roots]
         grads = [grad for _, grads in pending for grad in grads]
         params = {id(p): p for layer in self._layer_parameters() for p in layer}
-        stream = self.cell.backward_stream(self.context.seed, m)
+        stream = self.cell.backward_stream(self.context.seed, m, "backward_weight")
         with self.cell.streams.on(self.index), torch.enable_grad():
             with stream if stream is not None else nullcontext():
                 torch.autograd.backward(roots, grads, inputs=list(params.values()))
-        self.cell.backward_seen(stream)
+        self.cell.backward_seen(stream, "backward_weight", ran=True)
 
     # -- communication: run on the process's communication worker --------------------------
 
