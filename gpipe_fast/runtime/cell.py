@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
+from gpipe_fast.nn.buffer_writes import BufferWrites, Snapshot
 from gpipe_fast.nn.checkpoint import pass_flags
 from gpipe_fast.nn.compiled import holds_compiled
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
@@ -81,6 +82,7 @@ class Cell:
         self.streams = streams
         self.threads = threads
         self.batch_norms = plain_batch_norms(module)
+        self.buffer_writes = BufferWrites(module, list(self.batch_norms))
         self.stream = streams.streams[index]  # None on a CPU cell
         self.prepared = False
         # training mode -> whether the cell's forward drew random numbers; absent: unknown.
@@ -123,21 +125,29 @@ class Cell:
         recomputing: bool = False,
         boundaries: list[Boundary] | None = None,
         skips: CellSkipTracker | None = None,
+        snapshots: list[Snapshot | None] | None = None,
     ) -> Tree:
         """The cell on one micro-batch under what its forward needs: its worker's settings,
         its stream, the caller's autocast, the pass flags, the task's own random stream
         and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
         by one with the graph cut between them, each layer's (input leaves, outputs) appended
         there, so that input and weight gradients can be computed apart (zero bubble). With
-        `skips`, the cell's skippable layers stash and pop through that tracker. The
-        common CPU case skips every part it does not need: this runs on every task."""
+        `skips`, the cell's skippable layers stash and pop through that tracker. With
+        `snapshots`, a checkpointed forward saves the buffers it writes in
+        `snapshots[microbatch]`, and its recompute runs from them. The common CPU case skips
+        every part it does not need: this runs on every task."""
         if not self.prepared:
             self.prepare_worker()
         training = self.module.training
         random = self.random.get(training, True)
         batch_norms = self.batch_norms if recomputing else []
         flags = pass_flags(checkpointing=checkpointing, recomputing=recomputing)
-        if not (random or batch_norms or autocast.enabled or self.stream is not None):
+        writes = (
+            snapshots is not None
+            and (checkpointing or recomputing)
+            and self.buffer_writes.may_write
+        )
+        if not (random or batch_norms or writes or autocast.enabled or self.stream is not None):
             # The common CPU case, on every task: the flags and grad mode without contexts.
             previous = torch.is_grad_enabled()
             if previous != grad:
@@ -154,6 +164,12 @@ class Cell:
             stack.enter_context(flags)
             stack.enter_context(frozen_running_stats(batch_norms))
             stack.enter_context(torch.set_grad_enabled(grad))
+            if writes and snapshots is not None:
+                if checkpointing:
+                    snapshots[microbatch] = self.buffer_writes.save()
+                else:  # recomputing: from the buffers as its forward found them
+                    stack.enter_context(self.buffer_writes.replaying(snapshots[microbatch]))
+                    snapshots[microbatch] = None
             stream = None
             if random:  # last: the generators are held for the forward alone
                 watch = None if training in self.random else "states"
@@ -161,6 +177,8 @@ class Cell:
                                     watch=watch)  # fmt: skip
                 stack.enter_context(stream)
             output = self._forward(value, boundaries, skips)
+            if writes and checkpointing and snapshots is not None:
+                snapshots[microbatch] = self.buffer_writes.learn(snapshots[microbatch])
         if stream is not None and stream.watch is not None:
             self.random[training] = stream.drew
         return output

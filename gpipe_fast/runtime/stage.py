@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpipe_fast.nn.buffer_writes import Snapshot
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import LOSS, TaskStream, task_seed
 from gpipe_fast.runtime.cell import Boundary, Cell
@@ -119,6 +120,8 @@ class Stage:
         self.inputs: list[Tree] = [None] * count  # stashed for recompute and backward
         self.outputs: list[Tree] = [None] * count  # with their graphs, until backward
         self.boundaries: list[list[Boundary] | None] = [None] * count  # split backward only
+        # Per checkpointed micro-batch, the buffers its forward wrote, as they were before it.
+        self.snapshots: list[Snapshot | None] = [None] * count
         # Split backward: per micro-batch, the (outputs, gradients) of each learning layer,
         # left by backward_input for backward_weight.
         self.weight_roots: list[list[tuple[list[Tensor], list[Tensor]]] | None] = [None] * count
@@ -155,6 +158,7 @@ class Stage:
         self.inputs = [None] * count
         self.outputs = [None] * count
         self.boundaries = [None] * count
+        self.snapshots = [None] * count
         self.weight_roots = [None] * count
         self.skips_in = [None] * count
         self.skips_out = [None] * count
@@ -451,7 +455,12 @@ class Stage:
     def _run(self, value: Tree, m: int, **kwargs: Any) -> Tree:
         context = self.context
         return self.cell.run(
-            value, seed=context.seed, microbatch=m, autocast=context.autocast, **kwargs
+            value,
+            seed=context.seed,
+            microbatch=m,
+            autocast=context.autocast,
+            snapshots=self.snapshots,
+            **kwargs,
         )
 
     def _receive_gradient(self, m: int) -> tuple[Any, ...]:

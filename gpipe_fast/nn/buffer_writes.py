@@ -1,0 +1,105 @@
+"""Buffers a forward writes (spectral_norm's vectors, a model's own statistics): a recompute
+replays the forward it redoes, from the values they had then, and writes none of them again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+# A buffer of a cell, as (its module, its name there).
+Place = tuple[nn.Module, str]
+
+
+class Snapshot:
+    """The buffers a forward may write, as they were before it: per buffer its place, the
+    tensor the module held, its version counter and a copy of its values."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[nn.Module, str, Tensor, int, Tensor]]) -> None:
+        self.items = items
+
+
+class BufferWrites:
+    """Which buffers of `module` its forward writes, learned on the first forward that the
+    pipe will recompute (every buffer copied before it, those it changed kept: in place, by
+    a new tensor, or through `.data`); BatchNorm's statistics (`frozen`) are left to their
+    own freezing. Before each such forward the written buffers are copied; the recompute
+    runs on the copies, so that it computes what the forward did (spectral_norm's weight
+    from the vectors it started from) and leaves the buffers as they are."""
+
+    def __init__(self, module: nn.Module, frozen: list[nn.Module]) -> None:
+        self._module = module
+        self._skipped = {id(m) for m in frozen}
+        self._written: list[Place] | None = None if self._candidates() else []
+
+    def _candidates(self) -> list[Place]:
+        return [
+            (owner, name)
+            for owner in self._module.modules()
+            if id(owner) not in self._skipped
+            for name, buffer in owner._buffers.items()
+            if buffer is not None
+        ]
+
+    @property
+    def may_write(self) -> bool:
+        """False once the forward was seen writing no buffer (or the cell has none)."""
+        return self._written is None or bool(self._written)
+
+    @property
+    def written(self) -> list[Place] | None:
+        """The buffers the forward writes (None: not seen yet)."""
+        return self._written
+
+    def save(self) -> Snapshot | None:
+        """The buffers as they are before a forward that will be recomputed."""
+        places = self._candidates() if self._written is None else self._written
+        if not places:
+            return None
+        with torch.no_grad():
+            return Snapshot([
+                (owner, name, buffer, buffer._version, buffer.clone())
+                for owner, name in places
+                if (buffer := owner._buffers.get(name)) is not None
+            ])  # fmt: skip
+
+    def learn(self, snapshot: Snapshot | None) -> Snapshot | None:
+        """After the forward of `snapshot`: on the first, which buffers it wrote (only
+        theirs are kept, and copied from then on); the snapshot to replay, None if none."""
+        if snapshot is None:
+            return None
+        if self._written is None:
+            kept = [item for item in snapshot.items if _changed(*item)]
+            self._written = [(owner, name) for owner, name, *_ in kept]
+            snapshot.items = kept
+        return snapshot if snapshot.items else None
+
+    @contextmanager
+    def replaying(self, snapshot: Snapshot | None) -> Iterator[None]:
+        """The buffers as `snapshot` saved them while the recompute runs (on copies of their
+        own, which it may write), then back to what they are."""
+        if snapshot is None:
+            yield
+            return
+        current = [(owner, name, owner._buffers.get(name)) for owner, name, *_ in snapshot.items]
+        for owner, name, _, _, saved in snapshot.items:
+            owner._buffers[name] = saved
+        try:
+            yield
+        finally:
+            for owner, name, tensor in current:
+                owner._buffers[name] = tensor
+
+
+def _changed(owner: nn.Module, name: str, before: Tensor, version: int, saved: Tensor) -> bool:
+    now = owner._buffers.get(name)
+    if now is not before:
+        return True
+    if now._version != version:
+        return True
+    # Written through .data (which has a version counter of its own): the values tell.
+    return bool(now.shape != saved.shape or not torch.equal(now, saved))
