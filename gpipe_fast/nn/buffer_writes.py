@@ -1,5 +1,7 @@
-"""Buffers a forward writes (spectral_norm's vectors, a model's own statistics): a recompute
-replays the forward it redoes, from the values they had then, and writes none of them again."""
+"""Buffers a forward writes (spectral_norm's vectors, a layer's statistics), replayed by recompute.
+
+A recompute runs from the values they had before the forward it redoes, and writes none of
+them again."""
 
 from __future__ import annotations
 
