@@ -65,6 +65,8 @@ SLOW: dict[str, Rule] = {
     "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_at_pp2_by_dp2": True,
     # bench/any_model.py at toy size: both libraries across two processes.
     "test_bench_any_model.py": True,
+    # bench/compiled.py at toy size: compiles, in one process and two.
+    "test_bench_compiled.py": True,
     "test_any_model.py::test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched": (
         _not(schedule="1f1b")
     ),

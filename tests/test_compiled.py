@@ -302,3 +302,9 @@ def test_compiled_modules_are_found_and_copies_uncompiled() -> None:
         before = backend.runs
         torch.testing.assert_close(copied.eval()(x), original.eval()(x))
         assert backend.runs == before + len(original) - 2  # the original's blocks only
+
+
+def test_a_compiled_sequential_is_refused_with_what_to_do_instead() -> None:
+    compiled = torch.compile(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=r"OptimizedModule \(torch.compile of one\): compile"):
+        gf.GPipe(compiled, [1, 1], devices=["cpu", "cpu"])
