@@ -129,6 +129,22 @@ def test_the_pipe_call_replays_them_too(make_pipe: Any) -> None:
     _same_state(model, plain)
 
 
+def test_a_step_in_eval_mode_teaches_nothing_about_training(make_pipe: Any) -> None:
+    # spectral_norm writes nothing in eval: what a cell writes is learned per mode.
+    x, y = _batch()
+    plain = _model(lambda: spectral("parametrization"))
+    model = _model(lambda: spectral("parametrization"))
+    pipe = make_pipe(model, [2, 3], devices=["cpu"] * 2, chunks=4, checkpoint="always")
+    for training in (False, True):
+        model.train(training)
+        plain.train(training)
+        model.zero_grad(set_to_none=True)
+        plain.zero_grad(set_to_none=True)
+        loss = pipe.train_step(x, y, F.mse_loss)
+        torch.testing.assert_close(loss, _accumulated(plain, x, y, 4), rtol=1e-12, atol=0)
+        _same_state(model, plain)
+
+
 # -- BufferWrites ----------------------------------------------------------------------------
 
 
@@ -139,13 +155,15 @@ def test_the_written_buffers_are_learned_and_replayed() -> None:
     quiet.register_buffer("constant", torch.ones(3))
     module = nn.Sequential(layer, norm, quiet).double()
     writes = BufferWrites(module, [norm])
-    assert writes.may_write and writes.written is None
+    train, evaluate = (True,) * 7, (False,) * 7  # the modes of its 7 modules
+    assert writes.may_write(train) and writes.written(train) is None
     x = torch.randn(4, 3, dtype=torch.float64)
     before = {name: b.clone() for name, b in module.named_buffers()}
-    saved = writes.save()
+    saved = writes.save(train)
     first = module(x)
     snapshot = writes.learn(saved)
-    assert {name for _, name in writes.written or []} == {"mean", "calls", "norm"}
+    assert {name for _, name in writes.written(train) or []} == {"mean", "calls", "norm"}
+    assert writes.written(evaluate) is None  # not seen yet
     after = {name: b.clone() for name, b in module.named_buffers()}
     with writes.replaying(snapshot):
         torch.testing.assert_close(layer.mean, before["0.mean"])
@@ -157,4 +175,4 @@ def test_the_written_buffers_are_learned_and_replayed() -> None:
 
 def test_a_module_without_buffers_costs_nothing() -> None:
     writes = BufferWrites(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), [])
-    assert not writes.may_write and writes.save() is None
+    assert not writes.may_write(()) and writes.save(()) is None

@@ -227,3 +227,23 @@ def test_lora_dropout_under_gradient_checkpointing_at_pp2(two: Cluster, schedule
             torch.testing.assert_close(torch.tensor(with_["grads"][name]), torch.tensor(grad),
                                        rtol=1e-10, atol=1e-14, msg=name)  # fmt: skip
     assert any("lora" in name for name in runs[True][0]["grads"])
+
+
+def test_a_mode_set_on_the_model_is_the_cells_mode(make_pipe) -> None:
+    # model.eval() reaches the layers, not the cells' own containers: a step in eval mode
+    # (no dropout, nothing drawn) must not teach the cell that it never draws.
+    grads = []
+    for checkpoint in ("never", "always"):
+        torch.manual_seed(0)
+        module = mlp(4, width=16, dropout=0.5)
+        pipe = make_pipe(module, [6, 6], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)
+        x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        module.eval()
+        pipe.train_step(x, torch.zeros_like(x), nn.functional.mse_loss)
+        module.train()
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        pipe.train_step(x, torch.zeros_like(x), nn.functional.mse_loss)
+        grads.append([p.grad.clone() for p in module.parameters()])  # type: ignore[union-attr]
+    for never, always in zip(*grads, strict=True):
+        torch.testing.assert_close(never, always, rtol=0, atol=0)
