@@ -24,9 +24,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("nn", "device", "skip"),
-        "what a pipe does to layers (micro-batches, checkpointing, BatchNorm, randomness, ties, "
-        "meta-device builds); streams, copies, recompute pools, host cores; skippable layers, "
-        "their trackers and the skip layout",
+        "what a pipe does to layers (micro-batches, checkpointing, BatchNorm, randomness, "
+        "buffers a forward writes, compiled layers, ties, meta-device builds); streams, copies, "
+        "recompute pools, host cores; skippable layers, their trackers and the skip layout",
     ),
     Layer(
         ("capture",),

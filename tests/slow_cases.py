@@ -65,6 +65,8 @@ SLOW: dict[str, Rule] = {
     "test_any_model_checkpoints.py::test_a_pp2_checkpoint_resumes_at_pp2_by_dp2": True,
     # bench/any_model.py at toy size: both libraries across two processes.
     "test_bench_any_model.py": True,
+    # bench/compiled.py at toy size: compiles, in one process and two.
+    "test_bench_compiled.py": True,
     "test_any_model.py::test_batch_norm_trains_exactly_and_shape_runs_leave_modules_untouched": (
         _not(schedule="1f1b")
     ),
@@ -212,6 +214,11 @@ SLOW: dict[str, Rule] = {
     # Ctrl-C across processes: the interrupted rank waiting for its peer or in a collective;
     # Ctrl-C inside a long forward, its peer told, in full.
     "test_ctrl_c_processes.py::test_a_peer_learns_of_ctrl_c_inside_a_long_forward_at_once": True,
+    # Compiled blocks: every schedule in the default mode; the other modes in full.
+    "test_compiled.py::test_compiled_blocks_run_compiled_and_exact": DEFAULT_MODE,
+    # A model's own checkpoint with dropout: every schedule in the default mode.
+    "test_randomness.py::test_a_models_own_checkpoint_replays_its_dropout": DEFAULT_MODE,
+    "test_randomness.py::test_gpt2_with_dropout_and_gradient_checkpointing": DEFAULT_MODE,
 }
 
 

@@ -742,6 +742,7 @@ class GPipe(nn.Module):
             clocks=self._pipeline.executor.worker_clocks(),
             schedule=self.schedule if "step" in recorded else "gpipe",
             call_s=self._pipeline.recorded_call_s if "step" in recorded else 0.0,
+            whole_backward=self._pipeline.whole_backward_cells() if "step" in recorded else (),
         )
 
     def memory_stats(self) -> list[CellMemoryStats]:

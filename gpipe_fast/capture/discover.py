@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from gpipe_fast.capture.dispatch import installed, viewing
 from gpipe_fast.capture.plan import Call, Plan, Route, Site
+from gpipe_fast.nn.compiled import uncompile
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]  # a forward's (args, kwargs)
 
@@ -108,12 +109,14 @@ def planning_copy(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
     forward for shapes: what the forward writes (a BatchNorm's count of batches, any
     attribute) lands in the copy, never in the model. The copy has the model's names."""
     try:
-        return copy.deepcopy(model, fake_memo(model, mode))
+        planned = copy.deepcopy(model, fake_memo(model, mode))
     except Exception as error:
         raise TypeError(
             f"gpipe_fast.pipeline plans on a copy of the model (so that running its forward "
             f"changes nothing in it), and copy.deepcopy failed on it: {error}"
         ) from error
+    uncompile(planned)  # shapes need no compiled code (nor a copy running the original)
+    return planned
 
 
 def _record(model: nn.Module, inputs: Inputs) -> list[_Event]:

@@ -23,11 +23,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode,
+    _pop_mode_temporarily,
+)
 
 from gpipe_fast.capture.discover import fake_memo, fake_of
-from gpipe_fast.capture.dispatch import install, viewing
+from gpipe_fast.capture.dispatch import install, run_eagerly_in_views, viewing
 from gpipe_fast.capture.plan import Plan
+from gpipe_fast.nn.compiled import uncompile
 from gpipe_fast.skip.skippable import pop, skippable, stash
 
 
@@ -68,6 +73,7 @@ class _Placeholders:
             # parameters between shards and whole tensors as it runs, on its own thread.
             self._memo.update(fake_memo(module, self.mode))
             shadow = copy.deepcopy(module, self._memo)
+            uncompile(shadow)
             _all_fake(shadow, self.mode)
             self._shadows[id(module)] = shadow
         return shadow
@@ -151,6 +157,7 @@ class _StageView:
         self.captured: dict[str, Tensor | None] = {}
         self.next = 0
         self.depth = 0  # > 0 inside an atom's call: its own torch calls are not glue
+        self.glue: _GlueOps | None = None  # the mode counting glue ops, when one does
 
     def __call__(
         self, module: nn.Module, forward: Callable[..., Any], args: Any, kwargs: Any
@@ -165,8 +172,12 @@ class _StageView:
             )
         self.next += 1
         self.depth += 1
+        # The glue-op mode off during the atom's call (it counts none there): a compiled
+        # atom's code then runs compiled, and an eager one's ops skip the mode.
+        paused = self.glue is not None and _get_current_function_mode() is self.glue
         try:
-            out = self._call(i, module, forward, args, kwargs)
+            with _pop_mode_temporarily() if paused else nullcontext():
+                out = self._call(i, module, forward, args, kwargs)
         finally:
             self.depth -= 1
         if i >= self.last_needed:
@@ -229,6 +240,7 @@ class _GlueOps(TorchFunctionMode):
         super().__init__()
         self.view = view
         self.ops = 0
+        view.glue = self
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
@@ -271,6 +283,7 @@ class StageCell(nn.Module):
             _place(self, fqn, model.get_submodule(fqn))
         self.atom_modules = [model.get_submodule(call.fqn) for call in plan.calls]
         install(self.atom_modules)
+        run_eagerly_in_views(model, self.atom_modules)
         self.placeholders = _Placeholders(model)
         self.sites = plan.sites(stage)
         consumed = plan.consumed_by(stage)
