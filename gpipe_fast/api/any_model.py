@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from gpipe_fast.api import optim_state
 from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.api.rank_saves import warn_on_rank_saves
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plan import Plan
@@ -53,6 +54,8 @@ class ModelPipe(GPipe):
         self.__dict__["_first_stage"] = first
         if self._pipeline is not None:
             self._pipeline.targets_optional = True
+        if self.layout.multi_process:  # the model still holds the other ranks' stages
+            warn_on_rank_saves(model, self, f"rank {self.layout.pp_index} of the pipe")
 
     def _as_input(self, inputs: Any) -> tuple[Tensor, ...] | None:
         """The model's inputs in the form of example_inputs, as the pipe's tuple of tensors

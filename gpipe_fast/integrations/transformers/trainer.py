@@ -212,6 +212,10 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
             return loader
         return shard_over_replicas(loader, self.mesh.dp_index, self.mesh.dp_size)
 
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Rows per optimizer step: each replica's batches (not each process's)."""
+        return int(self._train_batch_size * args.gradient_accumulation_steps * self.mesh.dp_size)
+
     def _track_num_input_tokens(self, inputs: Any) -> None:
         # Trainer sums the count over every process: each pipeline's ranks count its batch.
         before = self.state.num_input_tokens_seen
