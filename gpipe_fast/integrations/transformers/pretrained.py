@@ -17,6 +17,7 @@ from gpipe_fast.integrations.transformers.names import aliases, tie_groups
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 ADAPTER = "adapter_model.safetensors"
+LOAD_BYTES = 64 * 2**20  # read, then copied into the stage, this much at a time
 
 
 def weight_files(directory: str | os.PathLike[str]) -> dict[str, Path]:
@@ -64,12 +65,17 @@ def load_pretrained(pipe: GPipe, directory: str | os.PathLike[str]) -> list[str]
         else:
             found.setdefault(files[source], []).append((source, key))
     values: dict[str, Tensor] = {}
+    held = 0
     for path, keys in found.items():
-        with safe_open(str(path), framework="pt") as opened:
-            for source, key in keys:
+        for source, key in keys:
+            # Opened for each tensor: what it maps of the file is let go with the tensor.
+            with safe_open(str(path), framework="pt") as opened:
                 values[key] = _as_held(opened.get_tensor(source), wanted[key])
-    with torch.no_grad():
-        pipe.load_state_dict(values, strict=False)
+            held += values[key].numel() * values[key].element_size()
+            if held >= LOAD_BYTES:  # a few tensors at a time beside the stage's own
+                _load(pipe, values)
+                held = 0
+    _load(pipe, values)
     if missing:
         warnings.warn(
             f"gpipe_fast: {directory} holds no values for {len(missing)} tensor(s) of this "
@@ -79,11 +85,19 @@ def load_pretrained(pipe: GPipe, directory: str | os.PathLike[str]) -> list[str]
     return missing
 
 
+def _load(pipe: GPipe, values: dict[str, Tensor]) -> None:
+    """Copies `values` into the pipe's tensors (which counts them as initialised), emptied."""
+    with torch.no_grad():
+        pipe.load_state_dict(values, strict=False)
+    values.clear()
+
+
 def _as_held(value: Tensor, held: Tensor) -> Tensor:
-    """A value read from a file in the dtype of the tensor it fills; for a shard of a
-    sharded stage (a DTensor), this rank's shard of it (each replica read the whole)."""
-    value = value.to(held.dtype)
+    """A value read from a file as it fills `held`: as read (loading casts it into the
+    tensor's dtype, with no converted copy of it), or for a shard of a sharded stage (a
+    DTensor) this rank's shard of it (each replica read the whole)."""
     if isinstance(held, DTensor):
+        value = value.to(held.dtype)
         return distribute_tensor(value, held.device_mesh, held.placements, src_data_rank=None)
     return value
 
