@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 from helpers import whole
 
-VOCAB, LENGTH, ROWS = 31, 12, 32
+VOCAB, LENGTH = 31, 12
+ROWS = 30  # the last batch of each epoch is short
 STEPS = 4
 
 
@@ -100,13 +101,14 @@ def result(trainer: Any, state: dict[str, Tensor], evaluation: dict[str, float])
 
 
 def plain(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = torch.float32,
-          padded: bool = False, loss: Any = None, **overrides: Any) -> dict[str, Any]:  # fmt: skip
+          padded: bool = False, loss: Any = None, rows: int = ROWS,
+          **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """The reference: a plain Trainer on the same model, data and seed, in this process."""
     from transformers import Trainer
 
     net = model(family, dtype)
     trainer = Trainer(model=net, args=arguments(folder, batch, **overrides),
-                      train_dataset=Windows(padded=padded),
+                      train_dataset=Windows(rows, padded=padded),
                       eval_dataset=Windows(16, seed=1, padded=padded),
                       compute_loss_func=loss)  # fmt: skip
     trainer.train()
@@ -115,14 +117,14 @@ def plain(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = torc
 
 def pipelined(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = torch.float32,
               padded: bool = False, resume: str | None = None, pp_size: int | None = None,
-              save_to: str | None = None, loss: Any = None, **overrides: Any,
-              ) -> dict[str, Any]:  # fmt: skip
+              save_to: str | None = None, loss: Any = None, rows: int = ROWS,
+              **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """The same run through PipelineTrainer (in whatever process layout this is)."""
     from gpipe_fast.integrations.transformers import PipelineTrainer
 
     trainer = PipelineTrainer(model=model(family, dtype),
                               args=arguments(folder, batch, **overrides),
-                              train_dataset=Windows(padded=padded),
+                              train_dataset=Windows(rows, padded=padded),
                               eval_dataset=Windows(16, seed=1, padded=padded), pp_size=pp_size,
                               chunks=2, compute_loss_func=loss)  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
@@ -187,3 +189,17 @@ def pretrained_into_meta(rank: int, world: int, family: str, folder: str) -> dic
     }
     pipe.close()
     return out
+
+
+def predicted_rank(rank: int, world: int, family: str, folder: str) -> dict[str, Any]:
+    """A Cluster case: PipelineTrainer.predict at pp=world (the logits come from the last
+    stage's rank to every rank)."""
+    from gpipe_fast.integrations.transformers import PipelineTrainer
+
+    as_rank(rank, world)
+    data = Windows(12, seed=3)
+    trainer = PipelineTrainer(model=model(family), args=arguments(folder), eval_dataset=data,
+                              chunks=3)  # fmt: skip
+    found = trainer.predict(data)
+    trainer.pipe.close()
+    return {"predictions": found.predictions, "loss": found.metrics["test_loss"]}

@@ -29,6 +29,10 @@ def shard_over_replicas(loader: DataLoader[Any], replica: int, replicas: int) ->
     for holder in holders:
         if isinstance(holder, (BatchSamplerShard, IterableDatasetShard)):
             holder.num_processes, holder.process_index = replicas, replica
+        if isinstance(holder, BatchSamplerShard) and replicas == 1:
+            # One replica reads every batch, the last one short, as an unsharded loader
+            # does (evening out is for replicas that must step together).
+            holder.even_batches = False
     return loader
 
 

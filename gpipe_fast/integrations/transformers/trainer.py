@@ -346,8 +346,8 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         kept: list[Any] = []
 
         def loss_fn(outputs: Any, target: Any) -> Tensor:
-            if keep_outputs:
-                kept.append({k: v for k, v in outputs.items() if isinstance(v, Tensor)})
+            if keep_outputs:  # per-row outputs (logits, ...): not the micro-batch's loss
+                kept.append({k: v for k, v in outputs.items() if isinstance(v, Tensor) and v.dim()})
             if not has_labels:
                 return torch.zeros((), device=_any_tensor(outputs).device)
             return self._micro_batch_loss(outputs, target)
@@ -383,12 +383,12 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         """Every replica's `tensor` concatenated (the batch's duplicated tail dropped at the
         end of the data, as accelerate's gather_for_metrics does)."""
         group = self.mesh.dp_group
-        if group is None:
-            return tensor
-        group = group.get_group() if hasattr(group, "get_group") else group
-        parts = [torch.empty_like(tensor) for _ in range(self.mesh.dp_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        gathered = torch.cat(parts)
+        gathered = tensor
+        if group is not None:
+            group = group.get_group() if hasattr(group, "get_group") else group
+            parts = [torch.empty_like(tensor) for _ in range(self.mesh.dp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            gathered = torch.cat(parts)
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             gathered = gathered[: state.remainder]
