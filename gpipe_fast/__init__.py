@@ -27,6 +27,7 @@ from gpipe_fast.balancing.balance import (
 )
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
+from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan
@@ -47,6 +48,7 @@ __all__ = [
     "CellPlan",
     "GPipe",
     "GradScaler",
+    "ItemMean",
     "ModelPipe",
     "Need",
     "PeerFailure",

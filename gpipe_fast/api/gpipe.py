@@ -19,6 +19,7 @@ from gpipe_fast.api import live_pipes, optim_state, state_dict
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
+    REDUCTIONS,
     check_balance,
     check_bool,
     check_checkpoint,
@@ -37,6 +38,7 @@ from gpipe_fast.distributed.layout import check_device, make_layout
 from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
 from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.items import Counting, ItemMean, check_items_given, count_items
 from gpipe_fast.nn.materialize import (
     InitFn,
     Unfilled,
@@ -425,20 +427,35 @@ class GPipe(nn.Module):
         target: Any,
         loss_fn: LossFn,
         *,
-        reduction: str = "mean",
+        reduction: str | ItemMean = "mean",
         grad_scaler: torch.amp.GradScaler | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of ``schedule``; returns
-        the loss of the whole batch (a detached 0-dim tensor on the last cell's device).
+        the loss of the whole batch (a detached 0-dim tensor on the last cell's device, in
+        the dtype of ``loss_fn``'s losses).
 
         ``target`` is split like ``input``; ``loss_fn(output, target)`` gets one
-        micro-batch of each and returns its scalar loss. With ``reduction="mean"`` (a
-        loss_fn that averages over its micro-batch) each micro-batch's loss is weighted by
-        its share of the batch; with "sum" they are added. Either way the loss and every
-        ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
-        (gradients accumulate, as backward() does: zero them between steps, or leave them
-        to accumulate over several steps, exact also with ``dp_group`` and tied weights
-        across ranks). The input's gradient reaches ``input.grad`` when it requires one.
+        micro-batch of each and returns its scalar loss. ``reduction`` says how that loss
+        reduces its micro-batch, so that the pipe weighs each one by its share:
+
+        - ``"mean"`` (a mean over the micro-batch's rows, as ``nn.MSELoss()`` computes):
+          weighted by its rows' share of the batch;
+        - ``"sum"``: added up;
+        - :class:`gpipe_fast.ItemMean` (a mean over the items it counts, as
+          ``nn.CrossEntropyLoss(ignore_index=-100)`` averages over the targets that are not
+          -100: padding, prompt masks): weighted by its items' share of the batch's.
+
+        Either way the loss and every ``.grad`` equal
+        ``loss_fn(model(input), target).backward()`` on the whole batch (gradients
+        accumulate, as backward() does: zero them between steps, or leave them to accumulate
+        over several steps, each step averaging over its own batch; exact also with
+        ``dp_group``, where the batch is every replica's, and tied weights across ranks).
+        ``num_items_in_batch`` (with an items mean) is the count the mean divides by instead
+        of this step's own, the same on every rank: the items of several steps whose
+        gradients accumulate before the optimizer's step, over every replica, as
+        transformers' Trainer counts them; each step then adds its items' sum divided by it.
+        The input's gradient reaches ``input.grad`` when it requires one.
         Under ``torch.no_grad()`` it raises RuntimeError before running anything: see
         :meth:`eval_step`.
 
@@ -457,9 +474,10 @@ class GPipe(nn.Module):
                 "grad_scaler must be a gpipe_fast.GradScaler (a torch.amp.GradScaler) or None, "
                 f"got {type(grad_scaler).__name__}"
             )
+        reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
-            return _identity_train_step(input, target, loss_fn)
+            return _identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
         loss_scale = None
         if grad_scaler is not None and grad_scaler.is_enabled():
@@ -469,7 +487,7 @@ class GPipe(nn.Module):
 
         train = StepRequest(
             "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
-            reduction, loss_scale,
+            reduction, loss_scale, counting,
         )  # fmt: skip
         return self._timed_step(lambda: run_step(pipeline, train, input, target))
 
@@ -515,24 +533,53 @@ class GPipe(nn.Module):
         return beside.naming_dead_ranks(groups.guard if groups is not None else None, what)
 
     def eval_step(
-        self, input: Value | None, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: LossFn,
+        *,
+        reduction: str | ItemMean = "mean",
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of the whole batch, as :meth:`train_step` returns it (the same weighting,
-        the same inputs on each rank), from a forward-only run of every micro-batch: no
-        gradient is computed, no ``.grad`` touched, no graph recorded and no activation kept.
+        ``reduction`` and ``num_items_in_batch``, the same inputs on each rank), from a
+        forward-only run of every micro-batch: no gradient is computed, no ``.grad``
+        touched, no graph recorded and no activation kept.
 
         It runs in the pipe's own mode (dropout active after ``train()``, off after
         ``eval()``: switch it yourself) and under the caller's autocast. With ``pp_group``
         every rank calls it and gets the loss; with ``dp_group``, the loss of the batch over
         every replica."""
+        reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
             check_loss_arguments(loss_fn, reduction)
             with torch.no_grad():
-                return _identity_loss(input, target, loss_fn)
+                return _identity_loss(input, target, loss_fn, counting)
         self._check_initialised()
-        evaluate = StepRequest("evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction)
+        evaluate = StepRequest(
+            "evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction, counting=counting
+        )
         return self._timed_step(lambda: run_step(pipeline, evaluate, input, target))
+
+    def _loss_reduction(
+        self, reduction: object, target: Any, num_items_in_batch: object
+    ) -> tuple[str, Counting | None]:
+        """A step's reduction as the runtime takes it: "mean" or "sum", or how to count the
+        items of an items mean (gf.ItemMean: in the target)."""
+        given = check_items_given(num_items_in_batch)
+        if isinstance(reduction, ItemMean):
+            return "mean", Counting("target", reduction.counter(), given)
+        if given is not None:
+            raise ValueError(
+                f"num_items_in_batch divides a mean over counted items, but reduction is "
+                f"{reduction!r}: give reduction=gf.ItemMean()"
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {REDUCTIONS} or a gpipe_fast.ItemMean, got {reduction!r}"
+            )
+        return str(reduction), None
 
     def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Runs a step; while recording, keeps how long the call took (its own work around
@@ -719,18 +766,26 @@ def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
                 )
 
 
-def _identity_loss(input: Value | None, target: Any, loss_fn: LossFn) -> torch.Tensor:
-    """The loss of an empty pipe: that of the input itself."""
+def _identity_loss(
+    input: Value | None, target: Any, loss_fn: LossFn, counting: Counting | None = None
+) -> torch.Tensor:
+    """The loss of an empty pipe: that of the input itself (an items mean divided by the
+    count given instead of its own, with num_items_in_batch)."""
     as_tensors(input, "input")
     loss = loss_fn(input, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
+    if counting is not None and counting.given is not None and counting.count is not None:
+        (items,) = count_items(counting.count, [target])
+        loss = loss * (items / counting.given) if items else torch.zeros_like(loss)
     return loss
 
 
-def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
+def _identity_train_step(
+    input: Value, target: Any, loss_fn: LossFn, counting: Counting | None = None
+) -> torch.Tensor:
     """train_step of an empty pipe: the loss of the input, its gradient into the input."""
-    loss = _identity_loss(input, target, loss_fn)
+    loss = _identity_loss(input, target, loss_fn, counting)
     if loss.requires_grad:
         loss.backward()
     return loss.detach()

@@ -262,6 +262,9 @@ class StageCell(nn.Module):
         self.stage = stage
         self.last = stage == plan.stages - 1
         self.present = list(plan.tensor_inputs)  # stage 0: the inputs of the current step
+        # The last stage: keywords of the model's forward set for a step (its loss's count,
+        # num_items_in_batch), over any given as inputs.
+        self.loss_kwargs: dict[str, Any] = {}
         self.__dict__["_model"] = model  # not a submodule: each cell holds only its atoms
         self._model: nn.Module
         for fqn in [*plan.atoms[stage], *extra]:
@@ -297,6 +300,8 @@ class StageCell(nn.Module):
         for key, name in self.pops:
             received[key] = yield pop(name)
         args, kwargs = _inputs(plan, received)
+        if self.last and self.loss_kwargs:
+            kwargs.update(self.loss_kwargs)
         view = _StageView(self, received)
         output = None
         with viewing(view), _GlueOps(view) if self.sites.any_ops() else nullcontext():

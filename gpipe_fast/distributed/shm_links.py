@@ -37,8 +37,9 @@ SHARED_MEMORY = "shared memory"
 # The lane of the values every rank of the pipe agrees on at each step (the batch size from
 # cell 0's rank, the loss from the last cell's), when all its ranks share one host.
 CONTROL = 2
-# Their tags on that lane: one message of each per step, taken in the order sent.
-BATCH_TAG, LOSS_TAG = 0, 1
+# Their tags on that lane: one message of each per step, taken in the order sent (the items
+# of a loss that averages over counted ones, from cell 0's rank, in the steps that count them).
+BATCH_TAG, LOSS_TAG, ITEMS_TAG = 0, 1, 2
 
 
 def lane(flow: Flow) -> int:

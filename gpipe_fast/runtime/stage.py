@@ -82,6 +82,9 @@ def _scalar_loss(value: object) -> Tensor:
 
 
 def _weighted(loss: Tensor, weight: float) -> Tensor:
+    """The loss times its weight; a weight of 0 (no counted item) gives 0, not 0 * NaN."""
+    if weight == 0.0:
+        return torch.zeros_like(loss)
     return loss * weight if weight != 1.0 else loss
 
 
@@ -249,7 +252,11 @@ class Stage:
             weight = context.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
             grads: tuple[Any, ...] = (None,) * len(leaves)
-            if value.requires_grad and wanted:
+            if value.requires_grad and wanted and weight == 0.0:
+                # A micro-batch that weighs nothing (no counted item: its mean is 0/0, whose
+                # backward would be NaN): zero gradients, without running the loss's backward.
+                grads = tuple(torch.zeros_like(t) if t.requires_grad else None for t in leaves)
+            elif value.requires_grad and wanted:
                 seed = torch.full_like(value, weight)
                 # A grad_scaler's scale: the loss returned stays unscaled.
                 if context.loss_scale is not None:
