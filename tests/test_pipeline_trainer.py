@@ -117,10 +117,11 @@ def test_pp2_by_dp2_equals_the_plain_trainer(four: Cluster, tmp_path: Path,
 
 @pytest.fixture(scope="module")
 def checkpointed(two: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A pp=2 run of GPT-2 that saves a checkpoint every 2 steps: its folder and losses."""
+    """A pp=2 run of GPT-2 that saves a checkpoint every 2 steps: its folder and losses (on
+    data that fills every batch, which replicas read alike)."""
     folder = tmp_path_factory.mktemp("checkpoints")
     ranks = values(two.run("trainer_cases.pipelined_rank", family="gpt2", folder=str(folder),
-                           save_strategy="steps", save_steps=2))  # fmt: skip
+                           save_strategy="steps", save_steps=2, rows=32))  # fmt: skip
     return {"folder": folder, "run": ranks[0]}
 
 
@@ -137,7 +138,7 @@ def test_resuming_at_pp2_gives_the_same_losses(checkpointed: Any, two: Cluster,
                                                tmp_path: Path) -> None:  # fmt: skip
     resume = str(checkpointed["folder"] / "checkpoint-2")
     ranks = values(two.run("trainer_cases.pipelined_rank", family="gpt2", folder=str(tmp_path),
-                           resume=resume))  # fmt: skip
+                           resume=resume, rows=32))  # fmt: skip
     assert ranks[0]["losses"] == checkpointed["run"]["losses"]  # steps 3 and 4 to the bit
 
 
@@ -145,7 +146,7 @@ def test_resuming_in_one_process_gives_the_same_losses(checkpointed: Any,
                                                        tmp_path: Path) -> None:  # fmt: skip
     # The pp=2 checkpoint, resharded into one process's two cells (the same micro-batches).
     resume = str(checkpointed["folder"] / "checkpoint-2")
-    run = cases.pipelined("gpt2", str(tmp_path), resume=resume)
+    run = cases.pipelined("gpt2", str(tmp_path), resume=resume, rows=32)
     # The same sums, but the clipping norm's shares add up in another order.
     assert close(run["losses"], checkpointed["run"]["losses"], 1e-6)
 
@@ -155,7 +156,7 @@ def test_resuming_at_pp2_by_dp2_gives_the_same_losses(checkpointed: Any, four: C
     # Two replicas of 2 rows each read the batches of 4 the pp=2 run read.
     resume = str(checkpointed["folder"] / "checkpoint-2")
     ranks = values(four.run("trainer_cases.pipelined_rank", family="gpt2", folder=str(tmp_path),
-                            resume=resume, pp_size=2, batch=2))  # fmt: skip
+                            resume=resume, pp_size=2, batch=2, rows=32))  # fmt: skip
     assert close(ranks[0]["losses"], checkpointed["run"]["losses"], 1e-6)
 
 
@@ -190,12 +191,14 @@ def test_pretrained_weights_load_into_a_model_built_on_meta(name: str, two: Clus
     assert ranks[0]["loss"] == ranks[1]["loss"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs token-weighted losses, issue 37")
-def test_padded_batches_count_tokens_as_the_plain_trainer(tmp_path: Path) -> None:
-    # Rows of 6 to 12 tokens: Trainer divides each batch's summed loss by the tokens of the
-    # whole accumulated step (num_items_in_batch), so rows weigh by their tokens.
-    reference = cases.plain("llama", str(tmp_path / "plain"), padded=True)
-    run = cases.pipelined("llama", str(tmp_path / "pipe"), padded=True)
+@pytest.mark.parametrize("loss", ["the model's own", "compute_loss_func"])
+def test_padded_batches_count_tokens_as_the_plain_trainer(loss: str, tmp_path: Path) -> None:
+    # Rows of 6 to 12 tokens, and the epoch's last batch short: Trainer divides each batch's
+    # summed loss by the labels of the whole accumulated step (num_items_in_batch), so a
+    # row weighs by its labels, in its micro-batch, batch and step.
+    func = cases.causal_lm_loss if loss == "compute_loss_func" else None
+    reference = cases.plain("llama", str(tmp_path / "plain"), padded=True, rows=30, loss=func)
+    run = cases.pipelined("llama", str(tmp_path / "pipe"), padded=True, rows=30, loss=func)
     assert_equals_plain(run, reference)
 
 

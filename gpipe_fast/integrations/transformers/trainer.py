@@ -67,6 +67,9 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     subclass that overrides ``compute_loss`` (the pipe computes the loss on its last stage).
     """
 
+    # The batches of the optimizer step under way (Trainer sets it in its loop).
+    current_gradient_accumulation_steps = 1
+
     def __init__(
         self,
         model: nn.Module | None = None,
@@ -234,20 +237,23 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Tensor:
         """One batch through the pipe's ``train_step``: every micro-batch's forward and
-        backward; returns the batch's loss (divided by the accumulation steps, as Trainer's
-        per-batch mean losses are), the same on every rank."""
+        backward; returns the batch's share of the step's loss, the same on every rank.
+
+        As in Trainer: with ``num_items_in_batch`` (the labels counted over the accumulated
+        batches and every replica) the batch adds its labels' loss summed over that count,
+        so the accumulated losses and gradients are the mean over every label of the step;
+        without, its mean divided by the batches accumulated."""
         pipe = self._the_pipe()
         pipe.train()
         if callable(getattr(self.optimizer, "train", None)):
             self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        labels, inputs = self._split_labels(inputs)
-        scale = 1.0 / getattr(self, "current_gradient_accumulation_steps", 1)
+        inputs, labels, loss_fn, options = self._loss_of(self._prepare_inputs(inputs),
+                                                         num_items_in_batch)  # fmt: skip
+        if num_items_in_batch is None:
+            loss_fn = partial(_scaled, loss_fn, 1.0 / self.current_gradient_accumulation_steps)
         scaler = getattr(self.accelerator, "scaler", None)
         with self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = pipe.train_step(
-                inputs, labels, partial(self._micro_batch_loss, scale=scale), grad_scaler=scaler
-            )
+            loss = pipe.train_step(inputs, labels, loss_fn, grad_scaler=scaler, **options)
         return loss.detach().to(self.args.device)
 
     def compute_loss(
@@ -259,30 +265,52 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         loss, outputs = self._evaluate_batch(inputs, keep_outputs=return_outputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _split_labels(self, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """(labels as the loss's target, the model's inputs): with compute_loss_func or
-        label smoothing the labels leave the inputs, as in Trainer; else the model computes
-        its own loss from them."""
-        if (self.label_smoother is not None or self.compute_loss_func is not None) and (
-            "labels" in inputs
+    def _loss_of(
+        self, inputs: dict[str, Any], num_items: Any
+    ) -> tuple[dict[str, Any], Any, Callable[[Any, Any], Tensor], dict[str, Any]]:
+        """(the model's inputs, the step's target, its loss_fn, its keywords): as Trainer,
+        with compute_loss_func or label smoothing the labels leave the inputs and the loss
+        comes from each micro-batch's outputs and labels (summed over `num_items` when
+        given: Trainer's functions divide by it); else the model computes its own loss from
+        its labels, which the pipe counts (or divides by `num_items`)."""
+        if (self.label_smoother is None and self.compute_loss_func is None) or (
+            "labels" not in inputs
         ):
-            inputs = dict(inputs)
-            return inputs.pop("labels"), inputs
-        return None, inputs
+            own = {} if num_items is None else {"num_items_in_batch": num_items}
+            return inputs, None, _own_loss, own
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        loss_fn = partial(self._labels_loss, num_items_in_batch=num_items)
+        return inputs, labels, loss_fn, {"reduction": "mean" if num_items is None else "sum"}
 
-    def _micro_batch_loss(self, outputs: Any, labels: Any, scale: float = 1.0) -> Tensor:
-        """One micro-batch's loss, as Trainer.compute_loss takes it from the outputs."""
+    def _labels_loss(self, outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Tensor:
+        """One micro-batch's loss from its outputs and labels, as Trainer.compute_loss."""
         if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=None)
-        elif labels is not None and self.label_smoother is not None:
-            loss = self.label_smoother(outputs, labels, shift_labels=self._loss_shifts_labels)
-        else:
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
-            if loss is None:
-                raise ValueError(
-                    "the model returned no loss: its inputs need labels (or pass compute_loss_func)"
-                )
-        return loss * scale if scale != 1.0 else loss  # type: ignore[no-any-return]
+            return self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)  # type: ignore[no-any-return]
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        shift = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        return self.label_smoother(  # type: ignore[no-any-return]
+            outputs, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch
+        )
+
+    def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device) -> Any:
+        """Trainer's count of the labels of an accumulation window, over the replicas (not
+        every process: a pipeline's ranks read the same batches), as an integer."""
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is None:
+            return None
+        count = torch.as_tensor(count, device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = count / self.mesh.pp_size  # Trainer summed every process's count
+        elif self.mesh.dp_group is not None:
+            group = self.mesh.dp_group
+            count = count.clone()
+            dist.all_reduce(
+                count, group=group.get_group() if hasattr(group, "get_group") else group
+            )
+        return count.round().long()
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor:
         self.accelerator.unscale_gradients()
@@ -342,7 +370,11 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     ) -> tuple[Tensor | None, dict[str, Any]]:
         """(the batch's loss or None, its outputs gathered over micro-batches when kept)."""
         pipe = self._the_pipe()
-        labels, inputs = self._split_labels(self._prepare_inputs(inputs))
+        inputs = self._prepare_inputs(inputs)
+        # A loss of outputs and labels divides by the batch's labels, which Trainer counts.
+        counted = self.compute_loss_func is not None or self.label_smoother is not None
+        num_items = self._get_num_items_in_batch([inputs], self.args.device) if counted else None
+        inputs, labels, own_loss, options = self._loss_of(inputs, num_items)
         kept: list[Any] = []
 
         def loss_fn(outputs: Any, target: Any) -> Tensor:
@@ -350,10 +382,10 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
                 kept.append({k: v for k, v in outputs.items() if isinstance(v, Tensor) and v.dim()})
             if not has_labels:
                 return torch.zeros((), device=_any_tensor(outputs).device)
-            return self._micro_batch_loss(outputs, target)
+            return own_loss(outputs, target)
 
         with torch.no_grad(), self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = pipe.eval_step(inputs, labels, loss_fn)
+            loss = pipe.eval_step(inputs, labels, loss_fn, **options)
         outputs: dict[str, Any] = {}
         if keep_outputs:
             outputs = self._from_last_stage(
@@ -482,6 +514,22 @@ def _init_fn(model: Any) -> Callable[[nn.Module], None] | None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     init = getattr(inner, "_init_weights", None)
     return init if callable(init) else None
+
+
+def _own_loss(outputs: Any, _target: Any) -> Tensor:
+    """The loss the model computed from its labels (its outputs' first entry)."""
+    loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+    if loss is None:
+        raise ValueError(
+            "the model returned no loss: its inputs need labels (or pass compute_loss_func)"
+        )
+    return loss  # type: ignore[no-any-return]
+
+
+def _scaled(
+    loss_fn: Callable[[Any, Any], Tensor], scale: float, outputs: Any, target: Any
+) -> Tensor:
+    return loss_fn(outputs, target) * scale if scale != 1.0 else loss_fn(outputs, target)
 
 
 def _any_tensor(outputs: Any) -> Tensor:
