@@ -118,7 +118,7 @@ def plain(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = torc
 def pipelined(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = torch.float32,
               padded: bool = False, resume: str | None = None, pp_size: int | None = None,
               save_to: str | None = None, loss: Any = None, rows: int = ROWS,
-              **overrides: Any) -> dict[str, Any]:  # fmt: skip
+              dp_shard: bool = False, **overrides: Any) -> dict[str, Any]:  # fmt: skip
     """The same run through PipelineTrainer (in whatever process layout this is)."""
     from gpipe_fast.integrations.transformers import PipelineTrainer
 
@@ -126,7 +126,7 @@ def pipelined(family: str, folder: str, *, batch: int = 4, dtype: torch.dtype = 
                               args=arguments(folder, batch, **overrides),
                               train_dataset=Windows(rows, padded=padded),
                               eval_dataset=Windows(16, seed=1, padded=padded), pp_size=pp_size,
-                              chunks=2, compute_loss_func=loss)  # fmt: skip
+                              chunks=2, compute_loss_func=loss, dp_shard=dp_shard)  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     out = result(trainer, trainer.pipe.state_dict(), trainer.evaluate())
     if save_to is not None:
@@ -150,14 +150,16 @@ def pipelined_rank(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:
     return pipelined(**kwargs)
 
 
-def saved_then_loaded(rank: int, world: int, family: str, folder: str) -> dict[str, Any]:
-    """A Cluster case: PipelineTrainer trains at pp=world and saves its model (every rank
-    writes its own files); rank 0 then loads the directory with from_pretrained, alone."""
+def saved_then_loaded(rank: int, world: int, family: str, folder: str,
+                      **kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """A Cluster case: PipelineTrainer trains (at pp=world, or as `kwargs` say) and saves its
+    model (every rank writes its own files); rank 0 then loads the directory with
+    from_pretrained, alone."""
     from transformers import AutoModelForCausalLM
 
     as_rank(rank, world)
     saved = str(Path(folder) / "model")
-    out = pipelined(family, folder, save_to=saved)
+    out = pipelined(family, folder, save_to=saved, **kwargs)
     if rank == 0:
         loaded = AutoModelForCausalLM.from_pretrained(saved)
         out["loaded"] = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
@@ -203,3 +205,59 @@ def predicted_rank(rank: int, world: int, family: str, folder: str) -> dict[str,
     found = trainer.predict(data)
     trainer.pipe.close()
     return {"predictions": found.predictions, "loss": found.metrics["test_loss"]}
+
+
+def adapter_saved(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """A Cluster case: a PEFT LoRA of LLaMA (float64) trains one step at pp=world, then
+    save_pretrained writes its adapter; rank 0 returns the file's tensors and the trained
+    adapter of a plain copy of the model."""
+    import copy
+
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    import gpipe_fast as gf
+    from gpipe_fast.integrations.transformers import save_pretrained
+
+    lora = get_peft_model(model("llama", torch.float64),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                     init_lora_weights=False))  # fmt: skip
+    plain = copy.deepcopy(lora)
+    ids = torch.randint(1, VOCAB, (8, LENGTH), generator=torch.Generator().manual_seed(0))
+    pipe = gf.pipeline(lora, {"input_ids": ids[:2], "labels": ids[:2]},
+                       ["base_model.model.model.layers.2"], chunks=4,
+                       pp_group=dist.group.WORLD)  # fmt: skip
+    trainable = [p for p in pipe.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    plain_optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    pipe.train_step({"input_ids": ids, "labels": ids}, None, lambda out, _: out.loss)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    plain_optimizer.step()
+    save_pretrained(lora, pipe, folder)
+    pipe.close()
+    if rank != 0:
+        return {}
+    trained = {k.replace(".default", ""): v for k, v in plain.state_dict().items() if "lora" in k}
+    return {"saved": load_file(str(Path(folder) / "adapter_model.safetensors")),
+            "trained": trained, "files": sorted(os.listdir(folder))}  # fmt: skip
+
+
+def own_save_pretrained(rank: int, world: int, folder: str) -> list[str]:
+    """A Cluster case: the model's own save_pretrained on each rank of a pipe at pp=world,
+    into a folder of its own; the warnings it gave."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import gpipe_fast as gf
+
+    net = model("llama")
+    ids = torch.randint(1, VOCAB, (2, LENGTH))
+    pipe = gf.pipeline(net, {"input_ids": ids}, ["model.layers.2"], pp_group=dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net.save_pretrained(str(Path(folder) / f"rank{rank}"))
+    pipe.close()
+    return [str(w.message) for w in caught if "gpipe_fast" in str(w.message)]

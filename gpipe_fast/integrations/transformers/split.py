@@ -12,7 +12,8 @@ def plan_blocks(model: nn.Module) -> list[str]:
     `{"model.embed_tokens", "model.layers", "model.norm", "lm_head"}`), named from `model`:
     the children of its ModuleLists (`model.layers.0`, ...), in order. Empty without a plan."""
     for prefix, module in model.named_modules():
-        plan = getattr(module, "_pp_plan", None)
+        # The module's own plan, not one a wrapper forwards from the model it wraps (PEFT).
+        plan = vars(module).get("_pp_plan") or getattr(type(module), "_pp_plan", None)
         if not plan:
             continue
         blocks = []
