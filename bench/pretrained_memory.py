@@ -1,6 +1,7 @@
 """Peak memory of each rank loading a pretrained LLaMA into a pipe: the whole model on every
-rank (from_pretrained, then gf.pipeline) against the model built on the meta device, pipelined,
-and each rank reading only its stages' tensors (gpipe_fast.integrations.transformers.load_pretrained).
+rank (from_pretrained, then gf.pipeline) against the model built on the meta device,
+pipelined, and each rank reading only its stages' tensors
+(gpipe_fast.integrations.transformers.load_pretrained).
 
     python bench/pretrained_memory.py                       # 2 processes, a 0.17 B-parameter LLaMA
     python bench/pretrained_memory.py --processes 4 --layers 16

@@ -296,21 +296,27 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         )
 
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device) -> Any:
-        """Trainer's count of the labels of an accumulation window, over the replicas (not
-        every process: a pipeline's ranks read the same batches), as an integer."""
-        count = super()._get_num_items_in_batch(batch_samples, device)
-        if count is None:
+        """The labels of an accumulation window, counted as Trainer counts them (a causal
+        LM's from the second of each row on, or ``shift_labels``) and summed over the
+        replicas only: a pipeline's ranks read the same batches. None where Trainer passes
+        no count (the model's forward takes none and there is no compute_loss_func)."""
+        counted = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        if not batch_samples or "labels" not in batch_samples[0] or not counted:
             return None
+        try:
+            count = sum(
+                (_counted_labels(batch, self._loss_shifts_labels) != -100).sum()
+                for batch in batch_samples
+            )
+        except (TypeError, AttributeError):
+            return None  # labels that are no tensor: Trainer counts none either
         count = torch.as_tensor(count, device=device)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            count = count / self.mesh.pp_size  # Trainer summed every process's count
-        elif self.mesh.dp_group is not None:
-            group = self.mesh.dp_group
-            count = count.clone()
+        group = self.mesh.dp_group
+        if group is not None:
             dist.all_reduce(
                 count, group=group.get_group() if hasattr(group, "get_group") else group
             )
-        return count.round().long()
+        return count
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor:
         self.accelerator.unscale_gradients()
@@ -524,6 +530,14 @@ def _own_loss(outputs: Any, _target: Any) -> Tensor:
             "the model returned no loss: its inputs need labels (or pass compute_loss_func)"
         )
     return loss  # type: ignore[no-any-return]
+
+
+def _counted_labels(batch: Mapping[str, Any], shifts: bool) -> Tensor:
+    """The labels a loss counts, as Trainer takes them from a batch."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]  # type: ignore[no-any-return]
+    labels = batch["labels"]
+    return labels[..., 1:] if shifts else labels  # type: ignore[no-any-return]
 
 
 def _scaled(
