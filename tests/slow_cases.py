@@ -206,6 +206,7 @@ SLOW: dict[str, Rule] = {
     ),
     "test_pipeline_trainer.py::test_stages_sharded_over_the_replicas_equal_the_plain_trainer": True,
     "test_pipeline_trainer.py::test_resuming_at_pp2_by_dp2_gives_the_same_losses": True,
+    "test_pipeline_trainer.py::test_bf16_autocast_reaches_the_stages": True,
     "test_pipeline_trainer.py::test_padded_batches_count_tokens_as_the_plain_trainer": _not(
         loss="the model's own"
     ),

@@ -313,3 +313,36 @@ def test_pp_size_must_fit_the_job(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         PipelineTrainer(model=cases.model("llama"), args=cases.arguments(str(tmp_path)),
                         train_dataset=cases.Windows(), pp_size=2)  # fmt: skip
+
+
+def test_bf16_autocast_reaches_the_stages(tmp_path: Path) -> None:
+    # Trainer's bf16 autocasts its model's forward; the pipe's stages run under the same
+    # autocast (bfloat16 products: the two runs agree to bfloat16's rounding, not exactly).
+    reference = cases.plain("llama", str(tmp_path / "plain"), bf16=True)
+    run = cases.pipelined("llama", str(tmp_path / "pipe"), bf16=True)
+    assert close(run["losses"], reference["losses"], 1e-3)
+    assert run["losses"] != cases.pipelined("llama", str(tmp_path / "fp32"))["losses"]
+
+
+def test_save_model_writes_the_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from gpipe_fast.integrations.transformers import PipelineTrainer
+
+    vocabulary = {f"w{i}": i for i in range(cases.VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocabulary, unk_token="w0")),
+        unk_token="w0",
+        pad_token="w0",
+    )
+    trainer = PipelineTrainer(
+        model=cases.model("llama"), args=cases.arguments(str(tmp_path)),
+        train_dataset=cases.Windows(), processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.save_model(str(tmp_path / "saved"))
+    trainer.pipe.close()
+    reloaded = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert reloaded.get_vocab() == tokenizer.get_vocab() and reloaded.pad_token == "w0"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in trainer.pipe.state_dict().items())

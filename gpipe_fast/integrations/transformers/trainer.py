@@ -159,9 +159,8 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         if pretrained is not None:
             load_pretrained(self.pipe, pretrained)
         self.model_wrapped = self.pipe
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None and not isinstance(scaler, GradScaler):
-            # fp16: every rank skips an overflowing step together (gf.GradScaler).
+        if getattr(self.accelerator, "scaler", None) is not None:
+            # fp16: every rank of this pipe skips an overflowing step together.
             self.accelerator.scaler = GradScaler(self.pipe)
 
     def _example_inputs(self) -> Any:
