@@ -346,3 +346,35 @@ def test_save_model_writes_the_tokenizer(tmp_path: Path) -> None:
     assert reloaded.get_vocab() == tokenizer.get_vocab() and reloaded.pad_token == "w0"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in trainer.pipe.state_dict().items())
+
+
+def test_a_lora_adapter_trains_saves_and_resumes(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+
+    from gpipe_fast.integrations.transformers import PipelineTrainer
+
+    def lora() -> Any:
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(cases.model("llama"), config)
+
+    def run(folder: Path, **kwargs: Any) -> Any:
+        trainer = PipelineTrainer(model=lora(), args=cases.arguments(str(folder), **kwargs),
+                                  train_dataset=cases.Windows(32))  # fmt: skip
+        return trainer
+
+    whole = run(tmp_path / "whole", save_strategy="steps", save_steps=2)
+    assert whole.pipe.split_points == ["base_model.model.model.layers.2"]
+    whole.train()
+    trained = {k: v.clone() for k, v in whole.pipe.state_dict().items() if "lora_" in k}
+    whole.pipe.close()
+    checkpoint = tmp_path / "whole" / "checkpoint-4"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(checkpoint))
+    reloaded = peft.PeftModel.from_pretrained(cases.model("llama"), checkpoint)
+    for key, tensor in trained.items():
+        assert torch.equal(reloaded.state_dict()[key], tensor), key
+
+    resumed = run(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    resumed.pipe.close()
+    losses = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
+    assert losses == {h["step"]: h["loss"] for h in whole.state.log_history if "loss" in h}

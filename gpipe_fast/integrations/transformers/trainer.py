@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -22,6 +23,7 @@ from gpipe_fast.integrations.transformers.mesh import Mesh, build_mesh
 from gpipe_fast.integrations.transformers.pretrained import load_adapter, load_pretrained
 from gpipe_fast.integrations.transformers.saving import save_pretrained
 from gpipe_fast.integrations.transformers.split import plan_split_points
+from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.schedule.registry import schedule_kind
 
 TRAINING_ARGS_NAME = "training_args.bin"
@@ -111,7 +113,6 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
             "dp_shard": dp_shard, "example_inputs": example_inputs,
             "pretrained": pretrained, **dict(pipeline_kwargs or {}),
         }  # fmt: skip
-        self._pp_size = pp_size
         self.pipe: ModelPipe | None = None
         super().__init__(
             model, args, data_collator, train_dataset, eval_dataset, processing_class,
@@ -275,7 +276,12 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         if (self.label_smoother is None and self.compute_loss_func is None) or (
             "labels" not in inputs
         ):
-            own = {} if num_items is None else {"num_items_in_batch": num_items}
+            own: dict[str, Any] = {} if num_items is None else {"num_items_in_batch": num_items}
+            if "labels" in inputs and self.model_accepts_loss_kwargs:
+                # A mean over the labels counted as Trainer counts them (a wrapped model,
+                # PEFT's, is one the pipe cannot tell apart by itself).
+                shifted = self._loss_shifts_labels and "shift_labels" not in inputs
+                own["reduction"] = ItemMean(count=_shifted_count if shifted else _count)
             return inputs, None, _own_loss, own
         inputs = dict(inputs)
         labels = inputs.pop("labels")
@@ -329,7 +335,12 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Trainer's optimizer over this rank's parameters (the pipe's, named as the
         model's, so weight decay picks the same ones)."""
-        return super().create_optimizer(self._the_pipe() if model is None else model)  # type: ignore[no-any-return]
+        optimizer = super().create_optimizer(self._the_pipe() if model is None else model)
+        # A group left empty on this rank (its stages hold no bias or norm; LoRA's adapters
+        # only) goes: DCP cannot load a flattened optimizer state into a group of nothing.
+        groups = optimizer.param_groups
+        groups[:] = [group for group in groups if group["params"]]
+        return optimizer  # type: ignore[no-any-return]
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
         return super().get_decay_parameter_names(self.model if model is self.pipe else model)  # type: ignore[no-any-return]
@@ -459,7 +470,12 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        load_optimizer(self._the_pipe(), self.optimizer, checkpoint)
+        if not load_optimizer(self._the_pipe(), self.optimizer, checkpoint):
+            warnings.warn(
+                f"PipelineTrainer: {checkpoint} holds no optimizer state of a pipe "
+                "(optimizer/, DCP shards by the model's names); the optimizer starts afresh",
+                stacklevel=2,
+            )
         scheduler = os.path.join(checkpoint, "scheduler.pt")
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -537,6 +553,14 @@ def _counted_labels(batch: Mapping[str, Any], shifts: bool) -> Tensor:
         return batch["shift_labels"]  # type: ignore[no-any-return]
     labels = batch["labels"]
     return labels[..., 1:] if shifts else labels  # type: ignore[no-any-return]
+
+
+def _count(labels: Tensor) -> Tensor:
+    return (labels != -100).sum()
+
+
+def _shifted_count(labels: Tensor) -> Tensor:
+    return (labels[..., 1:] != -100).sum()
 
 
 def _scaled(
