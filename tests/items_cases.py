@@ -78,6 +78,7 @@ def own_loss_against_plain(
     clip: float | None = None,
     given: bool = False,
     evaluate: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The model's own loss (target None) through the pipe and the plain model on the whole
     global batches side by side, with SGD. Gradients accumulate over `accumulate` steps
@@ -85,8 +86,9 @@ def own_loss_against_plain(
     divides by the items of the whole window (num_items_in_batch, as the Trainer counts),
     else by its own. Per step: both losses and dtypes, and this process's worst relative
     gradient error (after a window's last step, and after its clipping); then the worst
-    parameter error; with `evaluate`, eval_step's loss on the last batch and the plain one."""
-    model = models.make_model(name)
+    parameter error; with `evaluate`, eval_step's loss on the last batch and the plain one.
+    The models start on `device`, where the batches must be."""
+    model = models.make_model(name).to(device)
     plain = copy.deepcopy(model)
     example = {key: value[:2] for key, value in batches[0].items()}
     pipe = make_pipe(model, example)

@@ -205,3 +205,17 @@ def _check_across(results: list[dict[str, Any]]) -> None:
         for loss, want in result["losses"]:
             assert loss == pytest.approx(want, rel=EXACT)
         assert max(result["errors"]) < EXACT
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu(make_pipe: Any) -> None:
+    # Two cells on one GPU (zbv: four), the target counted where it lies, on the GPU.
+    model = cases.token_model().cuda()
+    plain = copy.deepcopy(model)
+    pipe = make_pipe(model, [1] * 4, devices=["cuda:0"] * 2, chunks=3, schedule="zbv")
+    x, y = (t.cuda() for t in cases.token_batch(7, 9, 0, empty_rows=(3, 4)))
+    loss = pipe.train_step(x, y, cases.token_loss, reduction=gf.ItemMean())
+    want = cases.token_loss(plain(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=EXACT, atol=0)
+    _assert_grads(pipe, plain)

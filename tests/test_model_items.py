@@ -239,3 +239,17 @@ def test_a_model_of_its_own_weighs_rows_unless_told() -> None:
         assert torch.isnan(pipe.eval_step(batch, None, lambda out, _: out))
     finally:
         pipe.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_padded_labels_on_a_gpu(name: str) -> None:
+    # The labels counted on the GPU, the count given to the model there (GPT-2) or weighed.
+    padded = cases.uneven_batches(name, SHAPES, EMPTY)
+    batches = [{key: value.cuda() for key, value in batch.items()} for batch in padded]
+
+    def make(model: nn.Module, example: dict[str, Any]) -> Any:
+        return gf.pipeline(model, example, models.split_points(name, 3 if name == "t5" else 2),
+                           chunks=3, devices=["cuda:0"] * (3 if name == "t5" else 2))  # fmt: skip
+
+    cases.check_own_loss(_run(name, make, batches, evaluate=True, device="cuda"))
