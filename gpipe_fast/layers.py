@@ -66,6 +66,11 @@ LAYERS: tuple[Layer, ...] = (
         'through a pipe; the tuning of "auto" pipes: candidates priced, measured, agreed',
     ),
     Layer(
+        ("integrations",),
+        "frameworks that drive a pipe, imported only by who uses them: transformers' Trainer "
+        "(`PipelineTrainer`), pretrained directories read and written by each rank",
+    ),
+    Layer(
         ("__init__", "balance"),
         "the package's own names (`gf.*`); torchgpipe's import path of the balancing helpers",
     ),

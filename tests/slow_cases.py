@@ -219,6 +219,29 @@ SLOW: dict[str, Rule] = {
     # A model's own checkpoint with dropout: every schedule in the default mode.
     "test_randomness.py::test_a_models_own_checkpoint_replays_its_dropout": DEFAULT_MODE,
     "test_randomness.py::test_gpt2_with_dropout_and_gradient_checkpointing": DEFAULT_MODE,
+    # PipelineTrainer (each case a Trainer run against a plain Trainer's): GPT-2, whose head
+    # is tied across the stages, keeps every kind of run in the fast suite (one process,
+    # pp=2, pp2 x dp2, resumes, save_model); LLaMA's twins, the stages sharded over the
+    # replicas, a resume at pp2 x dp2 and compute_loss_func on padded batches run in full.
+    "test_pipeline_trainer.py::test_one_process_equals_the_plain_trainer": _not(name="gpt2"),
+    "test_pipeline_trainer.py::test_two_processes_equal_the_plain_trainer": _not(name="gpt2"),
+    "test_pipeline_trainer.py::test_save_model_then_from_pretrained_gives_the_trained_weights": (
+        _not(name="gpt2")
+    ),
+    "test_pipeline_trainer.py::test_stages_sharded_over_the_replicas_equal_the_plain_trainer": True,
+    "test_pipeline_trainer.py::test_resuming_at_pp2_by_dp2_gives_the_same_losses": True,
+    "test_pipeline_trainer.py::test_bf16_autocast_reaches_the_stages": True,
+    "test_pipeline_trainer.py::test_padded_batches_count_tokens_as_the_plain_trainer": _not(
+        loss="the model's own"
+    ),
+    "test_pretrained.py::test_pretrained_weights_load_into_a_model_built_on_meta": _not(
+        family="gpt2"
+    ),
+    # examples/trainer_hf.py under torchrun at pp=2, resumed (31 s on 2 cores); the
+    # one-process run stays, and test_pipeline_trainer.py's ranks run every layout.
+    "test_trainer_hf.py::test_pp2_saves_shards_and_a_checkpoint_resumes_with_the_same_losses": True,
+    # The two benchmarks at toy size: several torchrun jobs each.
+    "test_bench_trainer.py": True,
 }
 
 

@@ -16,6 +16,7 @@ from gpipe_fast.api.auto import AutoPipe, Tuned, check_tunable
 from gpipe_fast.api.auto_model import ModelBuilder
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.model_items import model_loss
+from gpipe_fast.api.rank_saves import warn_on_rank_saves
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plan import Plan
@@ -65,6 +66,8 @@ class ModelPipe(GPipe):
         self._warned_count = False
         if self._pipeline is not None:
             self._pipeline.targets_optional = True
+        if self.layout.multi_process:  # the model still holds the other ranks' stages
+            warn_on_rank_saves(model, self, f"rank {self.layout.pp_index} of the pipe")
 
     def _agreed_cut(self) -> dict[str, object]:
         return {"split_points": self.__dict__["_given_split_points"]}
