@@ -7,6 +7,7 @@ choice is kept per input signature, the report lists what ran)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,10 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast.api import auto
 from gpipe_fast.planning import measure, price, tune
+
+# net() holds BatchNorm on purpose (buffers that a step moves): the warning chunks="auto" then
+# gives is tested once (test_chunks_tuned_over_batchnorm_warns_...).
+pytestmark = pytest.mark.filterwarnings("ignore:.*chunks='auto' with BatchNorm:UserWarning")
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +99,20 @@ def test_the_first_step_tunes_then_runs_as_the_chosen_pipe_would(pipes: list[Any
         assert torch.equal(got.grad, expected.grad)
     for got, expected in zip(pipe.buffers(), chosen.buffers(), strict=True):
         assert torch.equal(got, expected)
+
+
+def test_chunks_tuned_over_batchnorm_warns_that_the_values_follow_the_choice(
+    pipes: list[Any],
+) -> None:
+    # Each micro-batch is normalised by its own rows: the count chosen by speed changes the
+    # loss and gradients (tests/test_tune_processes.py checks them against the plain model's).
+    x, y = batch()
+    with pytest.warns(UserWarning, match=r"chunks='auto' with BatchNorm .*\(1, 5, 9 and 1 more\)"):
+        auto_pipe(net(), pipes).train_step(x, y, loss_fn)
+    with warnings.catch_warnings(record=True) as caught:  # chunks given: nothing to say
+        warnings.simplefilter("always")
+        auto_pipe(net(), pipes, chunks=2).train_step(x, y, loss_fn)
+    assert not [w for w in caught if "BatchNorm" in str(w.message)]
 
 
 def test_tuning_moves_nothing_of_the_model(pipes: list[Any]) -> None:

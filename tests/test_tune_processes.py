@@ -16,8 +16,20 @@ def test_every_rank_tunes_at_the_first_step_and_agrees(two: Cluster) -> None:
     for reply in replies:
         # At a train_step the cells stay where they are (the optimizer holds them).
         assert (reply["layers"], reply["balance"]) == tuple(reply["before"])
+        # Exact against the plain model on the micro-batches chosen (how many depends on the
+        # timings: BatchNorm's statistics are each micro-batch's own).
         assert reply["error"] < 1e-12
         assert reply["signatures"] == 1
+
+
+def test_a_given_chunks_stays_and_the_step_is_exact_on_its_micro_batches(two: Cluster) -> None:
+    # BatchNorm normalises each micro-batch by its own rows: with two, the step differs from
+    # the whole batch at once (by far), whichever schedule and checkpointing were chosen.
+    replies = values(two.run(f"{CASES}.first_step_tunes", timeout_s=300.0, chunks=2))
+    assert replies[0]["choice"] == replies[1]["choice"]
+    for reply in replies:
+        assert reply["chunks"] == 2
+        assert reply["error"] < 1e-12
 
 
 def test_tune_moves_layers_with_their_values_and_gradients(two: Cluster) -> None:

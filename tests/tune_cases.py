@@ -49,15 +49,29 @@ def _report(pipe: Any) -> dict[str, Any]:
         "seconds": [c.measured_s for c in tuning.measured],
         "balance": list(pipe.balance),
         "schedule": pipe.schedule,
+        "chunks": pipe.chunks,
         "layers": sorted(pipe._cell_of),
         "signatures": len(pipe._auto.tunings),
     }
 
 
+def _plain_step(plain: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The plain model's loss of the whole batch, its gradients accumulated, as a pipe of
+    `chunks` micro-batches computes them: each micro-batch through the model apart, its loss
+    weighted by its rows' share. BatchNorm normalises a micro-batch by its own rows'
+    statistics, so the micro-batch count the tuning picked is part of what the model computes
+    (with one, the whole batch at once)."""
+    pieces = zip(x.tensor_split(chunks), y.tensor_split(chunks), strict=True)
+    loss = sum(nn.functional.mse_loss(plain(xs), ys) * (len(xs) / len(x)) for xs, ys in pieces)
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    return loss.detach()
+
+
 def _against_plain(pipe: Any, plain: nn.Module, loss: torch.Tensor, want: torch.Tensor
                    ) -> float:  # fmt: skip
     """The worst relative error of the loss and this rank's gradients against the plain
-    model's on the whole batch."""
+    model's (see _plain_step)."""
     worst = abs(loss.item() - want.item()) / abs(want.item())
     named = dict(plain.named_parameters())
     for name, param in pipe.named_parameters():
@@ -67,21 +81,20 @@ def _against_plain(pipe: Any, plain: nn.Module, loss: torch.Tensor, want: torch.
     return worst
 
 
-def first_step_tunes(rank: int, world: int) -> dict[str, Any]:
+def first_step_tunes(rank: int, world: int, chunks: int | str = "auto") -> dict[str, Any]:
     """An "auto" pipe's first train_step: every rank tunes at once, the cells stay on their
     ranks, and the step is exact."""
     _quick()
     module = uneven()
     plain = copy.deepcopy(module)
     x, y = data()
-    pipe = gf.GPipe(module, schedule="auto", chunks="auto", checkpoint="auto",
+    pipe = gf.GPipe(module, schedule="auto", chunks=chunks, checkpoint="auto",
                     pp_group=dist.group.WORLD)  # fmt: skip
     try:
         before = sorted(pipe._cell_of), list(pipe.balance)
         loss = pipe.train_step(_mine(rank, world, x, False), _mine(rank, world, y, True),
                                nn.functional.mse_loss)  # fmt: skip
-        want = nn.functional.mse_loss(plain(x), y)
-        want.backward()
+        want = _plain_step(plain, x, y, pipe.chunks)
         return {**_report(pipe), "before": before, "error": _against_plain(pipe, plain, loss, want)}
     finally:
         pipe.close()
@@ -132,8 +145,7 @@ def tune_moves_layers(rank: int, world: int) -> dict[str, Any]:
             param.grad = None
         loss = pipe.train_step(_mine(rank, world, x, False), _mine(rank, world, y, True),
                                nn.functional.mse_loss)  # fmt: skip
-        want = nn.functional.mse_loss(plain(x), y)
-        want.backward()
+        want = _plain_step(plain, x, y, pipe.chunks)
         error = _against_plain(pipe, plain, loss, want)
         return {**_report(pipe), "owned_before": sorted(owned), "values_equal": values_equal,
                 "grads_moved": grads_moved, "error": error}  # fmt: skip

@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
+from torch import nn
 
 from gpipe_fast.api.auto import Builder, Config, Cut, TuneOptions, current_cut, install_tuner
 from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.balancing.balance import balance_by_params
+from gpipe_fast.nn.batchnorm import batch_statistics_layers
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
 from gpipe_fast.planning import measure as measuring
 from gpipe_fast.planning.agree import Agreement
@@ -55,6 +58,8 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
     """Chooses `pipe`'s configuration for batches like `input` (see GPipe.tune)."""
     auto = pipe._auto
     builder: Builder = auto.builder
+    if auto.tuned.chunks:
+        _warn_batch_statistics(builder.model)
     agreement = Agreement(pipe.layout)
     first = not auto.tunings
     before = current_cut(pipe)
@@ -134,6 +139,23 @@ def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None, error
+
+
+def _warn_batch_statistics(model: nn.Module) -> None:
+    """Says that the micro-batch count about to be chosen by speed changes what the model's
+    BatchNorm layers compute (each micro-batch normalised by its own rows' statistics): the
+    choice depends on timings, so a step's values could differ from run to run unseen."""
+    names = batch_statistics_layers(model)
+    if not names:
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warnings.warn(
+        f"gpipe_fast: chunks='auto' with BatchNorm layers that normalise by the batch's "
+        f"statistics ({shown}): each micro-batch is normalised by its own rows, so the "
+        "micro-batch count the tuning picks by speed (which may differ between runs and "
+        "machines) changes the loss and the gradients; give chunks to keep them fixed",
+        stacklevel=2,
+    )
 
 
 def _elapsed(since: float) -> float:
