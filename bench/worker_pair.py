@@ -1,5 +1,6 @@
-"""Two spawned benchmark workers joined by gloo over 127.0.0.1, asked in lockstep and always
-stopped: a worker that dies fails the run within a second, one whose parent is gone leaves."""
+"""Two spawned benchmark workers (or `world` of them) joined by gloo over 127.0.0.1, asked in
+lockstep and always stopped: a worker that dies fails the run within a second, one whose
+parent is gone leaves."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join_gloo(rank: int, port: int, timeout_s: float, pin_threads: bool = True) -> None:
+def join_gloo(
+    rank: int, port: int, timeout_s: float, pin_threads: bool = True, world: int = 2
+) -> None:
     """Joins this worker to the pair's gloo group, on loopback, with one intra-op thread
     (`pin_threads`) or the threads as the environment leaves them (as users run)."""
     import torch.distributed as dist
@@ -38,20 +41,20 @@ def join_gloo(rank: int, port: int, timeout_s: float, pin_threads: bool = True) 
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=2,
+        world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
 
 
 @contextmanager
 def in_gloo_pair(
-    rank: int, port: int, timeout_s: float, replies: Any, pin_threads: bool = True
+    rank: int, port: int, timeout_s: float, replies: Any, pin_threads: bool = True, world: int = 2
 ) -> Iterator[None]:
     """A worker's life in the pair: joins its gloo group (see join_gloo), and an error in
     the body is replied to the parent (which stops the run within a second) instead of
     raised; the group is left whatever happens."""
     try:
-        join_gloo(rank, port, timeout_s, pin_threads)
+        join_gloo(rank, port, timeout_s, pin_threads, world)
         yield
     except BaseException as error:
         replies.put((rank, "error", None, f"{type(error).__name__}: {error}"))
@@ -81,22 +84,22 @@ def leave_gloo() -> None:
 
 
 class WorkerPair:
-    """Ranks 0 and 1 running `target(rank, port, requests, replies, parent)`; each answers
-    "ready" once joined, then one reply per request."""
+    """Ranks 0 and 1 (or 0 to `world` - 1) running `target(rank, port, requests, replies,
+    parent)`; each answers "ready" once joined, then one reply per request."""
 
-    def __init__(self, target: Callable[..., None], timeout_s: float) -> None:
+    def __init__(self, target: Callable[..., None], timeout_s: float, world: int = 2) -> None:
         context = mp.get_context("spawn")
         port = free_port()
         self.timeout_s = timeout_s
         self.replies = context.Queue()
-        self.requests = [context.Queue() for _ in range(2)]
+        self.requests = [context.Queue() for _ in range(world)]
         self.processes = [
             context.Process(
                 target=target,
                 args=(rank, port, self.requests[rank], self.replies, os.getpid()),
                 daemon=True,
             )
-            for rank in range(2)
+            for rank in range(world)
         ]
         for process in self.processes:
             process.start()
@@ -109,7 +112,7 @@ class WorkerPair:
                 q.put(request)
         answers: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s
-        while len(answers) < 2:
+        while len(answers) < len(self.processes):
             try:
                 rank, what, value, error = self.replies.get(timeout=1.0)
             except queue.Empty:
@@ -123,7 +126,7 @@ class WorkerPair:
                 raise RuntimeError(f"worker {rank}: {error}")
             assert what == expected, (what, expected)
             answers[rank] = value
-        return [answers[0], answers[1]]
+        return [answers[rank] for rank in range(len(self.processes))]
 
     def stop(self) -> None:
         for q in self.requests:

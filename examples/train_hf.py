@@ -6,8 +6,12 @@ model of this repository's own docs, with AdamW, clipping and DCP checkpoints th
     torchrun --standalone --nproc-per-node 4 examples/train_hf.py --pp 2 --dp 2
 
 (on this machine: GLOO_SOCKET_IFNAME=lo). The model is built from a small LlamaConfig (no
-download) and computes its own loss from `labels`. The data, the learning rate and the
-checkpoints are examples/train_lm.py's: with --checkpoint-dir the job writes DIR/step-<N>/
+download) and computes its own loss from `labels`. It trains on documents of different
+lengths cut from examples/train_lm.py's text, each batch padded to its longest document, the
+padding and each document's prompt masked with -100 in `labels`, as supervised fine-tuning
+does: the pipe's loss is the mean over the tokens the labels count, over the whole batch,
+as the plain model's. The learning rate and the checkpoints are examples/train_lm.py's:
+with --checkpoint-dir the job writes DIR/step-<N>/
 every --checkpoint-every steps and, started again, resumes from the latest complete one. The
 checkpoint's keys are the model's own (model.layers.0.self_attn.q_proj.weight, ...), so it
 resumes at another --pp/--dp, and loads into a LlamaForCausalLM without any pipe.
@@ -38,28 +42,62 @@ from train_lm import (
 
 import gpipe_fast as gf
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
 
 def build_model(vocab: int, args: argparse.Namespace) -> torch.nn.Module:
     """A LlamaForCausalLM from a small config (rotary positions, grouped-query attention),
-    the same weights on every rank (seeded)."""
+    the same weights on every rank (seeded); one more token than the text's characters,
+    the padding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=args.width, intermediate_size=2 * args.width,
+        vocab_size=vocab + 1, hidden_size=args.width, intermediate_size=2 * args.width,
         num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=max(1, args.heads // 2), max_position_embeddings=args.context + 1,
-        use_cache=False,
+        use_cache=False, pad_token_id=vocab,
     )  # fmt: skip
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(DTYPES[args.dtype])
 
 
-def as_inputs(x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """A batch of windows as the model's inputs: the context and its next character, which
-    the model's own loss predicts from what comes before (it shifts `labels` itself)."""
-    ids = torch.cat([x, y[:, -1:]], dim=1)
-    return {"input_ids": ids, "labels": ids}
+def documents(
+    data: Tensor, generator: torch.Generator, size: int, context: int, pad: int
+) -> dict[str, Tensor]:
+    """`size` documents cut from `data` at random, of random lengths (a quarter of the
+    context up to all of it, plus the token it predicts), as the model's inputs: padded on
+    the right to the longest with `pad`, which attention skips (`attention_mask`), and
+    labelled from the end of each document's prompt (its first tokens, up to half of it)
+    to its end: -100 on the prompt and the padding, which the loss leaves out."""
+    lengths = torch.randint(context // 4, context + 2, (size,), generator=generator).tolist()
+    longest = max(lengths)
+    offsets = torch.randint(0, len(data) - longest, (size,), generator=generator).tolist()
+    ids = torch.full((size, longest), pad)
+    mask = torch.zeros(size, longest, dtype=torch.long)
+    labels = torch.full((size, longest), -100)
+    for row, (length, offset) in enumerate(zip(lengths, offsets, strict=True)):
+        document = data[offset : offset + length]
+        prompt = int(torch.randint(1, length // 2 + 1, (), generator=generator))
+        ids[row, :length] = document
+        mask[row, :length] = 1
+        labels[row, prompt:length] = document[prompt:]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def train_batch(
+    corpus: Corpus, step: int, size: int, args: argparse.Namespace
+) -> dict[str, Tensor]:
+    """Step `step`'s global batch, drawn from a generator seeded by (seed, step) alone, so a
+    resumed run draws exactly the batches the uninterrupted one did."""
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    return documents(corpus.train, generator, size, args.context, corpus.vocab)
+
+
+def val_batch(corpus: Corpus, size: int, args: argparse.Namespace) -> dict[str, Tensor]:
+    """A fixed validation batch of documents from the validation text."""
+    generator = torch.Generator().manual_seed(12345)
+    return documents(corpus.val, generator, size, args.context, corpus.vocab)
 
 
 def model_loss(output: object, _target: None) -> Tensor:
@@ -85,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--batch", type=int, default=32, help="global batch (split over --dp)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -104,9 +143,9 @@ def main(argv: list[str] | None = None) -> float:
     model = build_model(corpus.vocab, args)
     per_process = 2 if args.schedule in ("interleaved", "zbv") else 1
     devices = None if args.pp > 1 else ["cpu"] * 2  # one process: a pipe of 2 CPU cells
-    x, y = corpus.batch(0, 2, args.context, args.seed)
+    example = train_batch(corpus, 0, 2, args)
     # No split points given: gf.pipeline cuts among model.layers.*, balancing parameters.
-    pipe = gf.pipeline(model, as_inputs(x, y), num_stages=per_process * max(args.pp, 2),
+    pipe = gf.pipeline(model, example, num_stages=per_process * max(args.pp, 2),
                        devices=devices, chunks=args.chunks, checkpoint="never",
                        schedule=args.schedule, pp_group=env["pp_group"],
                        dp_group=env["dp_group"], timeout=120,
@@ -140,10 +179,9 @@ def main(argv: list[str] | None = None) -> float:
               f"split points {pipe.split_points}; pp={args.pp} dp={args.dp} "
               f"schedule={args.schedule} chunks={args.chunks}", flush=True)  # fmt: skip
 
-    def share(x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        """This replica's contiguous share of a global batch, as the model's inputs."""
-        replica = env["replica"]
-        return as_inputs(x.tensor_split(args.dp)[replica], y.tensor_split(args.dp)[replica])
+    def share(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This replica's contiguous share of a global batch."""
+        return {key: value.tensor_split(args.dp)[env["replica"]] for key, value in batch.items()}
 
     log = None
     if args.loss_log is not None and rank == 0:
@@ -152,8 +190,10 @@ def main(argv: list[str] | None = None) -> float:
     tick, losses = time.perf_counter(), []
     for step in range(start, args.steps):
         opt.zero_grad(set_to_none=True)
-        x, y = corpus.batch(step, args.batch, args.context, args.seed)
-        loss = float(pipe.train_step(share(x, y), None, model_loss))  # the model's own loss
+        batch = share(train_batch(corpus, step, args.batch, args))
+        # The model's own loss: its mean over the tokens `labels` counts in the whole global
+        # batch, however they fall in micro-batches and replicas.
+        loss = float(pipe.train_step(batch, None, model_loss))
         if args.clip > 0:
             pipe.clip_grad_norm_(args.clip)  # the whole model's norm, on every rank alike
         lr = opt.param_groups[0]["lr"]
@@ -174,8 +214,7 @@ def main(argv: list[str] | None = None) -> float:
     if log is not None:
         log.close()
 
-    val = float(pipe.eval_step(share(*corpus.val_batch(args.val_batch, args.context)), None,
-                               model_loss))  # fmt: skip
+    val = float(pipe.eval_step(share(val_batch(corpus, args.val_batch, args)), None, model_loss))
     if rank == 0:
         if losses:
             print(f"train loss: first {losses[0]:.4f}, last {losses[-1]:.4f}; {len(losses)} "

@@ -175,7 +175,11 @@ class Stream:
 class Executor:
     def __init__(self, workers: int, backend: str = "host") -> None: ...
     def run(
-        self, schedule: Schedule, fn: Callable[[int, int, int], None], timeout_s: float = 0.0
+        self,
+        schedule: Schedule,
+        fn: Callable[[int, int, int], None],
+        timeout_s: float = 0.0,
+        on_interrupt: Callable[[], None] | None = None,
     ) -> None: ...
     def close(self) -> None: ...
     @property

@@ -27,9 +27,12 @@ from gpipe_fast.balancing.balance import (
 )
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
+from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.planning.entry import plan
 from gpipe_fast.planning.memory import CellMemory
 from gpipe_fast.planning.plan import CellPlan, Plan
+from gpipe_fast.planning.tune import tune as _tune  # noqa: F401  (installs the tuner of "auto")
+from gpipe_fast.planning.tuning import TunedCandidate, Tuning
 from gpipe_fast.runtime.memory import CellMemoryStats
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 from gpipe_fast.schedule.registry import (
@@ -47,12 +50,15 @@ __all__ = [
     "CellPlan",
     "GPipe",
     "GradScaler",
+    "ItemMean",
     "ModelPipe",
     "Need",
     "PeerFailure",
     "Plan",
     "TaskSpan",
     "Timeline",
+    "TunedCandidate",
+    "Tuning",
     "balance_by_costs",
     "balance_by_params",
     "balance_by_size",

@@ -55,7 +55,13 @@ def check_costs(costs: object, name: str) -> list[float]:
 def check_sequential(module: object) -> nn.Sequential:
     """`module` as an nn.Sequential, empty or not."""
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}")
+        hint = ""
+        if isinstance(getattr(module, "_orig_mod", None), nn.Sequential):
+            hint = (
+                " (torch.compile of one): compile its layers instead, torch.compile(layer) "
+                "for each, which run compiled in their cells"
+            )
+        raise TypeError(f"module must be a torch.nn.Sequential, got {type(module).__name__}{hint}")
     return module
 
 

@@ -24,9 +24,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("nn", "device", "skip"),
-        "what a pipe does to layers (micro-batches, checkpointing, BatchNorm, randomness, ties, "
-        "meta-device builds); streams, copies, recompute pools, host cores; skippable layers, "
-        "their trackers and the skip layout",
+        "what a pipe does to layers (micro-batches, checkpointing, BatchNorm, randomness, "
+        "buffers a forward writes, compiled layers, ties, meta-device builds); streams, copies, "
+        "recompute pools, host cores; skippable layers, their trackers and the skip layout",
     ),
     Layer(
         ("capture",),
@@ -39,7 +39,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(("transport",), "the `Transport` protocol, the in-process transport"),
     Layer(
         ("distributed",),
-        "process layouts, the guard of every wait, process groups, gradient reductions, the "
+        "process layouts, the ranks' agreement at build, the guard of every wait, process "
+        "groups, gradient reductions, sharded stages and their guarded collectives, the "
         "transport across processes and its media (`distributed/transports/`), the "
         "cross-process side of the step path",
     ),
@@ -57,12 +58,17 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         ("api",),
         "`GPipe`, `gf.pipeline`, clipping, the loss scaler, state-dict hooks, device defaults, "
-        "live pipes",
+        'live pipes, what "auto" tunes and the pipes it rebuilds',
     ),
     Layer(
         ("planning",),
         "`gf.plan`: plans, predictions and calibration; the runtime's cost per task, measured "
-        "through a pipe",
+        'through a pipe; the tuning of "auto" pipes: candidates priced, measured, agreed',
+    ),
+    Layer(
+        ("integrations",),
+        "frameworks that drive a pipe, imported only by who uses them: transformers' Trainer "
+        "(`PipelineTrainer`), pretrained directories read and written by each rank",
     ),
     Layer(
         ("__init__", "balance"),

@@ -47,3 +47,18 @@ def test_plain_batch_norm_is_not_updated_twice_by_recompute(make_pipe) -> None:
     torch.testing.assert_close(module[1].running_mean, ref[1].running_mean)
     torch.testing.assert_close(module[1].running_var, ref[1].running_var)
     assert int(module[1].num_batches_tracked) == 2
+
+
+def test_the_layers_normalising_by_batch_statistics_are_named() -> None:
+    from gpipe_fast.nn.batchnorm import DeferredBatchNorm, batch_statistics_layers
+
+    model = nn.Sequential(
+        nn.Linear(5, 4),
+        nn.BatchNorm1d(4),
+        nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False)),
+        DeferredBatchNorm(4),
+        nn.LayerNorm(4),  # each row apart
+    )
+    assert batch_statistics_layers(model) == ["1", "2.0", "3"]
+    model.eval()  # running statistics from now on, but for the layer that tracks none
+    assert batch_statistics_layers(model) == ["2.0"]

@@ -107,12 +107,6 @@ def test_one_process_fits_a_small_model_and_refuses_a_huge_one() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="under the address-space cap a thread the step starts can fail with MemoryError "
-    "('Exception ignored in thread started by'); that rank's step then hangs until gloo's "
-    "timeout instead of raising (seen once in CI, 'always'): not handled yet",
-    strict=False,
-)
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_two_stages_agree_that_a_huge_model_does_not_fit(checkpoint: str) -> None:
     config = lm.Config(2, False, checkpoint)

@@ -161,3 +161,72 @@ def test_boundary_copies_use_the_copy_streams_and_give_their_events_back(make_pi
     # Forward and backward crossed the boundaries through the copier, whose events are given
     # back at once: at most one per cell's worker at a time, so the pool stays that small.
     assert 0 < streams.copier.pooled_events <= 3
+
+
+# -- random streams and compiled blocks on a GPU (issues 41, 42) -----------------------------
+
+
+class _Attention(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention with dropout: on a GPU a fused
+    kernel (flash, memory-efficient) that draws from the device's generator, taking none."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 4, -1).permute(2, 0, 3, 1, 4)
+        p = 0.3 if self.training else 0.0
+        out = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return x + out.transpose(1, 2).reshape(x.shape)
+
+
+def _never_and_always(make_pipe, make, x: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    steps = []
+    for checkpoint in ("never", "always"):
+        module = make().to(x.device, x.dtype)
+        pipe = make_pipe(module, [2, 2], devices=["cuda:0"] * 2, chunks=4,
+                         checkpoint=checkpoint, schedule="1f1b")  # fmt: skip
+        torch.manual_seed(3)
+        loss = pipe.train_step(x, torch.zeros_like(x), nn.functional.mse_loss)
+        steps.append((loss, [p.grad.clone() for p in module.parameters()]))
+    assert torch.equal(steps[0][0], steps[1][0])
+    for never, always in zip(steps[0][1], steps[1][1], strict=True):
+        assert torch.equal(never, always)
+
+
+def _dropouts() -> nn.Sequential:
+    torch.manual_seed(0)  # nn.Dropout on a GPU: native_dropout, which takes no generator
+    return nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.3), nn.Linear(32, 32), nn.Dropout(0.3))
+
+
+def _attentions() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(_Attention(), nn.Linear(32, 32), _Attention(), nn.Linear(32, 32))
+
+
+def test_fused_dropout_kernels_replay_their_masks(make_pipe) -> None:
+    # The recompute draws forward's masks from the task's stream of the GPU's generator.
+    _never_and_always(make_pipe, _dropouts, torch.randn(16, 32, dtype=torch.float64,
+                                                        device="cuda"))  # fmt: skip
+    for dtype in (torch.bfloat16, torch.float32):  # flash, memory-efficient attention
+        _never_and_always(make_pipe, _attentions, torch.randn(8, 16, 32, dtype=dtype,
+                                                              device="cuda"))  # fmt: skip
+
+
+def test_compiled_blocks_with_dropout_run_compiled_and_exact_on_a_gpu(make_pipe) -> None:
+    import compiled_cases
+
+    torch._dynamo.reset()
+    backend = compiled_cases.Counting("inductor")
+    net = compiled_cases.model(backend, blocks=2).cuda()
+    pipe = make_pipe(net, [2, 2], devices=["cuda:0"] * 2, chunks=2, schedule="zero_bubble")
+    x, y = (t.cuda() for t in compiled_cases.batch(4, seed=8))
+    torch.manual_seed(4)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    assert backend.graphs > 0 and backend.runs > 0
+    plain = compiled_cases.model(compiled_cases.Counting("inductor"), blocks=2).cuda()
+    want = compiled_cases.reference(plain, [2, 2], x, y, 2, seed=4)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    for got, expected in zip(net.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-9, atol=1e-12)

@@ -14,6 +14,7 @@ import torch
 from gpipe_fast.distributed.driver import rank_share
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.nn.items import Counting, StepItems
 
 
 class FakeGroups:
@@ -42,6 +43,14 @@ class FakeGroups:
         if self.fails is not None:
             raise self.fails
         return self.agreed
+
+    def items(
+        self, counted: list[int] | None, count: int, *, from_first: bool
+    ) -> tuple[list[int] | None, int]:
+        """Agrees on the items as one replica of a pipe whose first rank counted [2, 5]."""
+        self.counted = (counted, count, from_first)
+        local = [2, 5] if from_first else counted
+        return local, sum(local or [])
 
 
 def _layout(index: int) -> ProcessLayout:
@@ -134,3 +143,42 @@ def test_a_step_after_a_failed_one_is_refused_before_anything() -> None:
     with pytest.raises(PeerFailure, match="an earlier step failed"):
         _share(0, groups, torch.randn(4, 3), None, 2, needs_target=False)
     assert groups.calls == []
+
+
+def _labels(microbatch: Any) -> Any:
+    return (microbatch[1] != -100).sum()
+
+
+def test_the_items_are_counted_where_they_are_and_agreed() -> None:
+    # A model's labels: counted in cell 0's input, told to the others by the groups.
+    ids = torch.zeros(4, 3, dtype=torch.long)
+    labels = torch.tensor([[1, 1, -100], [1, -100, -100], [1, 1, 1], [1, 1, -100]])
+    counting = Counting("input", _labels)
+    groups = FakeGroups((4, 4))
+    share, _ = _share(0, groups, (ids, labels), None, 2, needs_target=False, counting=counting)
+    assert groups.counted == ([3, 5], 2, True)
+    assert share.items == StepItems([2, 5], 7)  # what the groups agreed
+    groups = FakeGroups((4, 4))
+    share, _ = _share(1, groups, None, None, 2, needs_target=False, counting=counting)
+    assert groups.counted == (None, 2, True)
+    # A target's items: counted on the last cell's rank; the others give zeros.
+    counting = Counting("target", lambda y: (y != -100).sum(), given=20)
+    groups = FakeGroups((4, 4))
+    share, _ = _share(1, groups, None, labels, 2, needs_target=True, counting=counting)
+    assert groups.counted == ([3, 5], 2, False)
+    assert share.items == StepItems([3, 5], 20)
+    groups = FakeGroups((4, 4))
+    share, _ = _share(0, groups, ids, None, 2, needs_target=True, counting=counting)
+    assert groups.counted == ([0, 0], 2, False)
+
+
+def test_a_count_that_fails_refuses_the_step() -> None:
+    def broken(microbatch: Any) -> Any:
+        raise RuntimeError("cannot count")
+
+    groups = FakeGroups(fails=PeerFailure("a peer refused"))
+    reported: list[BaseException] = []
+    with pytest.raises(RuntimeError, match="cannot count"):
+        _share(0, groups, torch.zeros(4, 3), None, 2, needs_target=False,
+               counting=Counting("input", broken), reported=reported)  # fmt: skip
+    assert groups.calls == [(None, True, None)] and [str(e) for e in reported] == ["cannot count"]

@@ -1,15 +1,20 @@
-"""Bounded waits: a failure reported by any rank ends every wait; a silent peer, the timeout."""
+"""Bounded waits: a failure reported by any rank ends every wait; a silent peer, the timeout,
+which names the rank that did not answer (not the one that waited); a helper thread that
+cannot start fails its wait at once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from cluster import Cluster, values
 
-from gpipe_fast.distributed.guard import Guard, PeerFailure, _first_line
+from gpipe_fast.distributed import guard as guard_module
+from gpipe_fast.distributed.guard import Guard, PeerFailure, _cause, _first_line
 
 
 def _store() -> Any:
@@ -52,11 +57,120 @@ def test_another_ranks_failure_ends_the_wait() -> None:
 
 
 def test_a_silent_peer_times_out_naming_it() -> None:
-    guard = Guard(_store(), "pipe", rank=0, timeout_s=0.2)
+    store = _store()
+    guard = Guard(store, "pipe", rank=0, timeout_s=0.2)
     request = _Request()
-    with pytest.raises(PeerFailure, match=r"rank 0 waited 0.2 s for a gradient from rank 3"):
+    named = (
+        r"^gpipe_fast: the step failed on rank 3: rank 3 did not answer within 0.2 s \(slow, "
+        r"stuck or gone\); rank 0 waited for a gradient from rank 3$"
+    )
+    with pytest.raises(PeerFailure, match=named):
         guard.wait(request, "a gradient", peer=3)
     request.released.set()
+    # The slow rank, once it looks, reads that it was the one: not the rank that waited.
+    slow = Guard(store, "pipe", rank=3, timeout_s=0.2)
+    with pytest.raises(PeerFailure, match=r"failed on rank 3: rank 3 did not answer within"):
+        slow.check()
+
+
+def test_a_timeout_names_the_rank_at_the_end_of_a_chain_of_waits() -> None:
+    # Rank 1 waits for rank 0, which waits (for half its timeout already) for rank 2: rank 1
+    # times out first, and names rank 2, the one that does not answer, not rank 0.
+    store = _store()
+    first, second = Guard(store, "pipe", 0, 30), Guard(store, "pipe", 1, 0.2)
+    request = _Request()
+    threading.Thread(target=lambda: _waits(first, request, peer=2), daemon=True).start()
+    first._mark_waiting([2])  # as its wait does past half the timeout
+    named = (
+        r"the step failed on rank 2: rank 2 did not answer within 0.2 s \(slow, stuck or "
+        r"gone\); rank 1 waited for an activation from rank 0; rank 0 for rank 2$"
+    )
+    with pytest.raises(PeerFailure, match=named):
+        second.wait(_Request(), "an activation", peer=0)
+    with pytest.raises(PeerFailure, match=named):  # what rank 0 reads too
+        first.check()
+    request.released.set()
+
+
+def _waits(guard: Guard, request: _Request, peer: int) -> None:
+    with contextlib.suppress(PeerFailure):
+        guard.wait(request, "a gradient", peer=peer)
+
+
+def test_a_wait_past_half_its_timeout_says_whom_it_waits_for() -> None:
+    store = _store()
+    guard = Guard(store, "pipe", rank=0, timeout_s=0.4)
+    request = _Request()
+    threading.Timer(0.3, request.released.set).start()
+    guard.wait(request, "the batch size", group=None, peer=5)
+    assert store.get("pipe/waiting/0") == b""  # said, then unsaid when the wait ended
+    assert Guard(store, "pipe", 1, 1)._waits_for(0) == []
+
+
+def test_a_collectives_rank_that_never_came_is_named() -> None:
+    # Ranks 1 and 2 wait in the collective too (they said so): rank 3 never came.
+    store = _store()
+    for rank in (1, 2):
+        Guard(store, "pipe", rank, 30)._mark_waiting([0, 1, 2, 3])
+    guard = Guard(store, "pipe", 0, 0.2)
+    failure = guard.timed_out("the replicas' losses", None, (0, 1, 2, 3))
+    assert "the step failed on rank 3: rank 3 did not answer within 0.2 s" in str(failure)
+    # None of them said anything: one of them did not answer, which cannot be told.
+    failure = Guard(_store(), "pipe", 0, 0.2).timed_out("a sum", None, (0, 1, 2))
+    assert str(failure) == (
+        "gpipe_fast: the step failed on one of ranks 1, 2: one of ranks 1, 2 did not answer "
+        "within 0.2 s; rank 0 waited for a sum"
+    )
+
+
+def test_a_helper_thread_that_cannot_start_fails_the_wait_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Under an address-space cap a thread may die as it starts: the wait that needed it
+    # raises (the step fails on every rank) instead of waiting unserved until the timeout.
+    monkeypatch.setattr(guard_module, "THREAD_START_S", 0.2)
+    monkeypatch.setattr(guard_module._thread, "start_new_thread", lambda *args: 0)
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=300)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="a thread to wait on another rank did not start"):
+        guard.wait(_Request(), "an activation", peer=1)
+    assert time.monotonic() - start < 100  # far from the timeout
+
+
+def test_a_thread_that_cannot_start_fails_the_step_on_every_rank_at_once(two: Cluster) -> None:
+    # Rank 1's thread does not start within 1 s: its step fails, and so does rank 0's, far
+    # sooner than the pipe's timeout (120 s), naming rank 1.
+    try:
+        (kind0, said0, seconds0), (kind1, said1, _) = values(
+            two.run("guard_cases.thread_cannot_start", starts_s=1.0)
+        )
+    finally:
+        two.reset()
+    assert kind1 == "RuntimeError" and "a thread to wait on another rank did not start" in said1
+    assert kind0 == "PeerFailure"
+    assert "the step failed on rank 1: RuntimeError: " in said0
+    assert "did not start within 1 s" in said0
+    assert seconds0 < 60
+
+
+def test_each_wait_in_flight_gets_a_helper_thread() -> None:
+    guard = Guard(_store(), "pipe", rank=0, timeout_s=30)
+    requests = [_Request() for _ in range(8)]
+    done: list[int] = []
+    threads = [
+        threading.Thread(target=lambda r=r, i=i: (guard.wait(r, "a value", peer=1), done.append(i)))
+        for i, r in enumerate(requests)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)
+    for request in requests:  # each blocked in its own helper until released
+        request.released.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(done) == list(range(8))
+    assert guard._waiters.started == 8
+    guard.close()
 
 
 def test_a_lost_connection_is_reported_with_the_peer() -> None:
@@ -65,6 +179,21 @@ def test_a_lost_connection_is_reported_with_the_peer() -> None:
     request.released.set()
     with pytest.raises(PeerFailure, match=r"rank 2 lost an activation from rank 0: Connection"):
         guard.wait(request, "an activation", peer=0)
+
+
+def test_gloos_wording_of_a_broken_connection_is_left_out() -> None:
+    raw = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:7080: Connection reset by peer. This is typically caused by a remote "
+        "worker hanging or bugs in the application.\nException raised from ..."
+    )
+    failure = Guard(_store(), "pipe", 3, 30).lost("cell 1's all-gather", None, raw, (1, 3))
+    assert str(failure) == (
+        "gpipe_fast: the step failed on rank 1: stopped answering; rank 3 lost cell 1's "
+        "all-gather: Connection reset by peer"
+    )
+    other = RuntimeError("[a/b/c.cpp:12] Timed out. This is typically caused by x")
+    assert _cause(other) == "Timed out"
 
 
 def test_the_first_local_report_is_kept() -> None:
@@ -184,7 +313,7 @@ def test_another_ranks_failure_ends_a_poll() -> None:
 
 def test_a_silent_peer_times_out_a_poll_as_a_wait() -> None:
     guard = Guard(_store(), "pipe", rank=0, timeout_s=0.2)
-    with pytest.raises(PeerFailure, match=r"rank 0 waited 0.2 s for a gradient from rank 3; "):
+    with pytest.raises(PeerFailure, match=r"rank 3 did not answer within 0.2 s \(slow, stuck"):
         guard.poll(_Channel(empty=10**9).receive, "a gradient", peer=3)
 
 

@@ -3,52 +3,22 @@ store, and with pp x dp a dead rank of the other pipeline is not blamed on a liv
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 CASE = str(Path(__file__).with_name("kill_case.py"))
-# Generous: four processes importing torch on a loaded machine. A survivor that waited for the
-# dead rank at exit would wait forever here (kill_case.py unbounds the linger), not time out.
-JOB_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_job(world: int, killed: int, pp: int, *extra: str) -> dict[int, tuple[int, int, str]]:
-    """Every rank of the job over gloo, rank 0 hosting the TCP store: rank -> (pid, exit
-    code, stderr)."""
-    port = _free_port()
-    ranks = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
-                   OMP_NUM_THREADS="1")  # fmt: skip
-        ranks.append(
-            subprocess.Popen([sys.executable, CASE, str(killed), str(pp), *extra], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        )  # fmt: skip
-    results = {}
-    for rank, process in enumerate(ranks):
-        try:
-            _, err = process.communicate(timeout=JOB_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in ranks:
-                p.kill()
-                p.communicate()
-            pytest.fail(f"rank {rank} of the job (rank {killed} killed) hung: it never exited")
-        results[rank] = (process.pid, process.returncode, err)
-    return results
+    """Every rank of the job (started by hand, rank 0 hosting the TCP store): rank -> (pid,
+    exit code, stderr). A survivor that waited for the dead rank at exit would wait forever
+    (kill_case.py unbounds the linger) and fail the test as a hang."""
+    ended = run_job(CASE, world, str(killed), str(pp), *extra)
+    return {rank: (e.pid, e.code, e.stderr) for rank, e in enumerate(ended)}
 
 
 def _caught(rank: int, err: str) -> str:

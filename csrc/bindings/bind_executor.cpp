@@ -96,16 +96,27 @@ class PyExecutor {
     return *executor_;
   }
 
-  void run(std::shared_ptr<const Schedule> schedule, const py::function& fn, double timeout_s) {
+  void run(std::shared_ptr<const Schedule> schedule, const py::function& fn, double timeout_s,
+           const py::object& on_interrupt) {
     Executor& executor = get();
     RunControl control;
     control.timeout_s = timeout_s;
-    control.interrupted = [&executor] {
+    control.interrupted = [&executor, &on_interrupt] {
       py::gil_scoped_acquire gil;
       if (PyErr_CheckSignals() == 0) return false;
       // Cancelled while the GIL is still held: a worker woken by the signal handler (which
       // ran just now) cannot start another task before the run is cancelled.
       executor.cancel();
+      if (!on_interrupt.is_none()) {
+        // Told while the workers still run their tasks: a task waiting on another process
+        // learns of it and ends, rather than holding the run until its wait's timeout.
+        py::error_scope pending;  // the KeyboardInterrupt, set aside for the call
+        try {
+          on_interrupt();
+        } catch (py::error_already_set& error) {
+          error.discard_as_unraisable("gpipe_fast: the executor's on_interrupt");
+        }
+      }
       return true;  // KeyboardInterrupt stays pending for the caller
     };
     try {
@@ -139,9 +150,11 @@ void bind_executor(py::module_& m) {
   py::class_<PyExecutor>(m, "Executor", "One persistent worker thread per worker.")
       .def(py::init<int, const std::string&>(), py::arg("workers"), py::arg("backend") = "host")
       .def("run", &PyExecutor::run, py::arg("schedule"), py::arg("fn"), py::arg("timeout_s") = 0.0,
+           py::arg("on_interrupt") = py::none(),
            "Run a schedule; fn(action, stage, microbatch) runs on the stage's worker. Re-raises "
-           "the first task error; KeyboardInterrupt stops the run; with timeout_s > 0, "
-           "TimeoutError names each stage's unfinished task.")
+           "the first task error; KeyboardInterrupt stops the run once each worker has ended "
+           "its task (on_interrupt(), when given, is called first, while they run); with "
+           "timeout_s > 0, TimeoutError names each stage's unfinished task.")
       .def("close", &PyExecutor::close, "Join the workers; the executor is unusable after.")
       .def_property_readonly("workers", [](PyExecutor& e) { return e.get().workers(); })
       .def_property_readonly("backend", [](PyExecutor& e) { return e.get().sync().name(); })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -11,12 +12,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_fast.api import optim_state
+from gpipe_fast.api.auto import AutoPipe, Tuned, check_tunable
+from gpipe_fast.api.auto_model import ModelBuilder
 from gpipe_fast.api.gpipe import GPipe
+from gpipe_fast.api.model_items import model_loss
+from gpipe_fast.api.rank_saves import warn_on_rank_saves
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
 from gpipe_fast.capture.plans import Plans
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
 from gpipe_fast.capture.stage import stage_cells
+from gpipe_fast.nn.items import Counting, ItemMean, check_items_given
 from gpipe_fast.schedule.registry import schedule_kind
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -33,6 +39,7 @@ class ModelPipe(GPipe):
     _transparent_layers = True
     _shared_buffers = True
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
+    _last_stage: Any  # the last stage's cell, which computes the model's own loss
     _model: nn.Module  # the model (not registered: the cells hold its parts)
     _aliases: dict[str, str]  # a parameter's other names -> the model's first name for it
 
@@ -43,7 +50,10 @@ class ModelPipe(GPipe):
         aliases = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases[name] = first_names.setdefault(id(param), name)
+        # Compared across the ranks at build (GPipe._agree_across_ranks), before any cell is.
+        self.__dict__["_given_split_points"] = list(split_points)
         self.__dict__["_model"] = model  # not a submodule: the cells hold its parts
+        self.__dict__["_plans"] = plans
         cells = stage_cells(model, plans)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
@@ -56,8 +66,17 @@ class ModelPipe(GPipe):
         self.split_points = list(split_points)
         self._plan = plans.first
         self.__dict__["_first_stage"] = first
+        self.__dict__["_last_stage"] = cells[-1]
+        # How the model computes its own loss from labels (None: not a transformers model).
+        self._model_loss = model_loss(model)
+        self._warned_count = False
         if self._pipeline is not None:
             self._pipeline.targets_optional = True
+        if self.layout.multi_process:  # the model still holds the other ranks' stages
+            warn_on_rank_saves(model, self, f"rank {self.layout.pp_index} of the pipe")
+
+    def _agreed_cut(self) -> dict[str, object]:
+        return {"split_points": self.__dict__["_given_split_points"]}
 
     @property
     def training(self) -> bool:
@@ -150,13 +169,119 @@ class ModelPipe(GPipe):
         self._in_the_models_mode()
         return super().forward(self._as_input(inputs))  # type: ignore[arg-type]
 
-    def train_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
+    def train_step(
+        self,
+        input: Any,
+        target: Any,
+        loss_fn: LossFn,
+        *,
+        reduction: str | ItemMean | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """:meth:`GPipe.train_step` with the model's inputs. ``reduction=None`` (the
+        default) is the model's own: with ``target=None``, a transformers model computes its
+        loss from ``labels`` in its inputs, as a mean over the labels that are not -100
+        (a causal LM's shifted by one): each micro-batch then weighs its labels' share of the
+        whole batch's, over every replica (and the model divides by their count itself
+        where its forward takes ``num_items_in_batch``); otherwise ``"mean"``."""
         self._in_the_models_mode()
-        return super().train_step(self._as_input(input), target, loss_fn, **kwargs)  # type: ignore[arg-type]
+        given = self._as_input(input)
+        return super().train_step(given, target, loss_fn, reduction=reduction, **kwargs)  # type: ignore[arg-type]
 
-    def eval_step(self, input: Any, target: Any, loss_fn: LossFn, **kwargs: Any) -> Tensor:
+    def eval_step(
+        self,
+        input: Any,
+        target: Any,
+        loss_fn: LossFn,
+        *,
+        reduction: str | ItemMean | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        """:meth:`GPipe.eval_step` with the model's inputs, reduced as in :meth:`train_step`."""
         self._in_the_models_mode()
-        return super().eval_step(self._as_input(input), target, loss_fn, **kwargs)
+        given = self._as_input(input)
+        return super().eval_step(given, target, loss_fn, reduction=reduction, **kwargs)  # type: ignore[arg-type]
+
+    def _loss_reduction(
+        self, reduction: object, target: Any, num_items_in_batch: object
+    ) -> tuple[str, Counting | None]:
+        """The model's own loss (target None) averages over its labels' items: by default for
+        a transformers model, and with gf.ItemMean for any; else as GPipe's."""
+        own = target is None and (
+            isinstance(reduction, ItemMean) or (reduction is None and self._model_loss)
+        )
+        if not own:
+            return super()._loss_reduction(
+                "mean" if reduction is None else reduction, target, num_items_in_batch
+            )
+        given = check_items_given(num_items_in_batch)
+        mean = reduction if isinstance(reduction, ItemMean) else None
+        return "mean", self._labels_counting(mean, given)
+
+    def _labels_counting(self, mean: ItemMean | None, given: int | None) -> Counting:
+        """How a step counts the items of the model's own loss: the micro-batch's labels (or
+        shift_labels) that are not ignore_index, a causal LM's from the second on. On cell
+        0's process, whose inputs the stage maps; `mean` None (the default): none when the
+        inputs hold no labels (the step weighs rows)."""
+        present = self._first_stage.present
+        model_loss = self._model_loss
+        name = "shift_labels" if "shift_labels" in present else "labels"
+        shift = model_loss is not None and model_loss.shifts and name == "labels"
+        ignore_index = mean.ignore_index if mean is not None else -100
+        custom = mean.count if mean is not None else None
+        count: Callable[[Any], Any] | None = None
+        if name in present:
+            position = present.index(name)
+
+            def count(microbatch: Any) -> Any:
+                labels = microbatch[position]
+                if custom is not None:
+                    return custom(labels)
+                if labels.is_floating_point():  # a regression's: every entry is averaged
+                    return labels.numel()
+                return ((labels[..., 1:] if shift else labels) != ignore_index).sum()
+
+        elif mean is not None:
+
+            def count(microbatch: Any) -> Any:
+                raise ValueError(
+                    "reduction=gf.ItemMean() with target=None counts the model's labels, but "
+                    f"the inputs hold no 'labels' (given: {present})"
+                )
+
+        takes_count = model_loss is not None and model_loss.takes_count
+        if model_loss is not None and count is not None and not takes_count:
+            self._warn_count(model_loss.name)
+        return Counting("input", count, given, self._tell_count if takes_count else None)
+
+    def _warn_count(self, name: str) -> None:
+        """Says once per pipe that the model's loss is weighted, not given the count."""
+        if not self._warned_count:
+            self._warned_count = True
+            warnings.warn(
+                f"gf.pipeline: {name}'s forward does not pass num_items_in_batch on "
+                "to its loss (transformers' self.loss_function), so gpipe_fast weights each "
+                "micro-batch's loss by its share of the batch's labels that are not -100. "
+                "That equals the whole batch's loss when the model averages over exactly "
+                "those labels (as CrossEntropyLoss(ignore_index=-100) does); if it averages "
+                "otherwise, say how with reduction=gf.ItemMean(count=...) or "
+                'reduction="mean"',
+                UserWarning,
+                stacklevel=6,
+            )
+
+    def _tell_count(self, count: int | None) -> None:
+        """Gives the last stage's forward num_items_in_batch (None: takes it back)."""
+        last = self._last_stage
+        if count is None:
+            last.loss_kwargs = {}
+        else:  # a tensor, as the Trainer gives it: filled on the device, no copy to wait for
+            count_tensor = torch.full((), count, dtype=torch.int64, device=self.devices[-1])
+            last.loss_kwargs = {"num_items_in_batch": count_tensor}
+
+    def tune(self, input: Any, target: Any, loss_fn: LossFn, *args: Any, **kwargs: Any) -> Any:
+        self._in_the_models_mode()
+        return super().tune(self._as_input(input), target, loss_fn, *args, **kwargs)
 
 
 def pipeline(
@@ -183,9 +308,16 @@ def pipeline(
     for real, in evaluation mode without gradients). Every other keyword is
     :class:`GPipe`'s (``devices``, ``chunks``, ``checkpoint``, ``schedule``, ``pp_group``,
     ``dp_group``, ``timeout``, ``init_fn``, ...) except ``balance``, which split points
-    replace. ``pipe.split_points`` lists the ones in use."""
+    replace. ``pipe.split_points`` lists the ones in use. With ``schedule="auto"`` and no
+    split points given, the split points are tuned too (in one process; see
+    :meth:`GPipe.tune`)."""
     if "balance" in kwargs:
         raise TypeError("balance: gf.pipeline cuts the model at split_points instead")
+    tuned = Tuned.of(kwargs.get("schedule"), kwargs.get("chunks"), kwargs.get("checkpoint"),
+                     cut_given=split_points is not None)  # fmt: skip
+    if tuned is not None:  # built as the initial values say, tuned at its first step
+        check_tunable(tuned, bool(kwargs.get("dp_shard", False)))
+        kwargs = tuned.resolve(kwargs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if split_points is None:
@@ -205,7 +337,10 @@ def pipeline(
     _check_devices(len(split_points) + 1, kwargs)
     plan = discover(model, example_inputs, list(split_points))
     plans = Plans(model, example_inputs, list(split_points), plan)
-    return ModelPipe(model, plans, list(split_points), **kwargs)
+    pipe = ModelPipe(model, plans, list(split_points), **kwargs)
+    if tuned is not None:
+        AutoPipe(tuned, ModelBuilder(model, example_inputs, kwargs, pipe)).attach(pipe)
+    return pipe
 
 
 def _check_devices(stages: int, kwargs: dict[str, Any]) -> None:

@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gpipe_fast.api import live_pipes, optim_state, state_dict
+from gpipe_fast.api.auto import AutoPipe, SequentialBuilder, Tuned, TuneOptions, check_tunable
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.devices import default_balance, single_process_devices
 from gpipe_fast.arguments import (
+    REDUCTIONS,
     check_balance,
     check_bool,
     check_checkpoint,
@@ -32,11 +34,13 @@ from gpipe_fast.arguments import (
 from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.device import host
 from gpipe_fast.distributed import beside
+from gpipe_fast.distributed.agreement import agree, stage_parameters
 from gpipe_fast.distributed.host_peers import host_peers
-from gpipe_fast.distributed.layout import check_device, make_layout
+from gpipe_fast.distributed.layout import check_device, check_groups, make_layout
 from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
 from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.items import Counting, ItemMean, check_items_given, count_items
 from gpipe_fast.nn.materialize import (
     InitFn,
     Unfilled,
@@ -103,7 +107,10 @@ class GPipe(nn.Module):
     ``devices[s % len(devices)]``, V cells per device's worker), "zero_bubble" (ZB-H1) or
     "zbv" (ZB-V: two cells per device, cells s and 2D-1-s on ``devices[s]``), or a kind
     registered with :func:`gpipe_fast.register_schedule_kind`.
-    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain.
+    ``pipe(x)`` followed by ``loss.backward()`` always runs fill-drain. ``schedule``,
+    ``chunks`` and ``checkpoint`` may be "auto": the pipe then chooses them (and, for
+    ``schedule="auto"`` without a ``balance``, its cells) by measuring, at its first
+    :meth:`train_step` or at :meth:`tune`.
 
     Across processes (torch.distributed): with ``pp_group`` of P processes, rank r of it
     runs cells r, r + P, ... (zbv: r and 2P-1-r); with ``dp_group``, replicas' gradients
@@ -151,7 +158,7 @@ class GPipe(nn.Module):
         balance: Sequence[int] | None = None,
         *,
         devices: Sequence[Device] | None = None,
-        chunks: int = 1,
+        chunks: int | str = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
         recompute_pool: bool = False,
@@ -165,7 +172,13 @@ class GPipe(nn.Module):
         dp_shard_sync: str = "per_microbatch",
         reshard_after_forward: bool = True,
     ) -> None:
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
+        self._auto: AutoPipe | None = None
+        tuned = Tuned.of(schedule, chunks, checkpoint, cut_given=balance is not None)
+        if tuned is not None:
+            check_tunable(tuned, dp_shard)
+            schedule, chunks, checkpoint = tuned.initial(schedule, chunks, checkpoint)
         dp_group = dp_group_of(dp_group)
         check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
         module = check_sequential(module)
@@ -180,12 +193,24 @@ class GPipe(nn.Module):
         if skippable:
             verify_skippables(module)  # TypeError naming every unmatched stash or pop
 
+        # What every rank must build alike, compared across the ranks before anything else
+        # runs across them (see _agree_across_ranks).
+        agreed = {
+            "chunks": chunks,
+            "checkpoint": checkpoint,
+            "schedule": schedule,
+            "deferred_batch_norm": deferred_batch_norm,
+            "dp_shard": dp_shard,
+            "dp_shard_sync": dp_shard_sync if dp_shard else None,
+            "reshard_after_forward": reshard_after_forward if dp_shard else None,
+        }
         if pp_group is not None:
             size = dist.get_world_size(pp_group)
             if balance is None:  # the cells the schedule runs on each process (1 unless fixed)
                 per = schedule_kind(schedule).stages_per_worker or 1
                 balance = balance_by_params(size * per, module)
             balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
+            self._agree_across_ranks(module, balance, agreed, pp_group, dp_group, timeout)
             layout = make_layout(pp_group, dp_group, len(balance), schedule)
             device = check_device(devices, layout)
             resolved_devices = [device] * len(balance)
@@ -195,6 +220,8 @@ class GPipe(nn.Module):
             if balance is None:
                 balance = default_balance(module, given_devices, schedule)
             balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
+            if dp_group is not None:
+                self._agree_across_ranks(module, balance, agreed, None, dp_group, timeout)
             layout = make_layout(None, dp_group, len(balance), schedule)
             resolved_devices, stage_workers = single_process_devices(
                 given_devices, balance, schedule
@@ -328,6 +355,45 @@ class GPipe(nn.Module):
                 gather=partial(optim_state.gather_over_pipeline, self._pipeline.groups),
                 ranks=layout.pp_ranks,
             ))  # fmt: skip
+        if tuned is not None:
+            AutoPipe(tuned, SequentialBuilder(module, arguments, self)).attach(self)
+
+    def _agree_across_ranks(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int],
+        arguments: dict[str, object],
+        pp_group: Any | None,
+        dp_group: Any | None,
+        timeout: float,
+    ) -> None:
+        """The same ValueError on every rank when the ranks build this pipe differently: its
+        cut (the balance, and a pipe of any model's split points), the arguments that shape
+        its steps, its groups' sizes, and each stage's parameters by name and shape. One
+        all-gather of a digest, before any other communication of the build: no rank then
+        waits in a collective another will not run, and no step runs on a disagreement."""
+        check_groups(pp_group, dp_group)
+        named = list(module._modules.items())
+        cells, start = [], 0
+        for size in balance:  # each cell's layers, as the pipe will cut them
+            cells.append(nn.Sequential(OrderedDict(named[start : start + size])))
+            start += size
+        groups = {
+            name: None if group is None else dist.get_world_size(group)
+            for name, group in (("pp_group size", pp_group), ("dp_group size", dp_group))
+        }
+        agree({
+            **self._agreed_cut(),
+            "balance": list(balance),
+            **arguments,
+            **groups,
+            "parameters": stage_parameters(cells, drop_layer=self._transparent_layers),
+        }, timeout)  # fmt: skip
+
+    def _agreed_cut(self) -> dict[str, object]:
+        """How the model was cut, beyond the balance, for the ranks to compare (gf.pipeline:
+        its split points)."""
+        return {}
 
     def _place_key(self, name: str) -> str:
         """A tensor's name in its cell ("<layer>.<name>") as the model's key: with
@@ -438,20 +504,35 @@ class GPipe(nn.Module):
         target: Any,
         loss_fn: LossFn,
         *,
-        reduction: str = "mean",
+        reduction: str | ItemMean = "mean",
         grad_scaler: torch.amp.GradScaler | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of ``schedule``; returns
-        the loss of the whole batch (a detached 0-dim tensor on the last cell's device).
+        the loss of the whole batch (a detached 0-dim tensor on the last cell's device, in
+        the dtype of ``loss_fn``'s losses).
 
         ``target`` is split like ``input``; ``loss_fn(output, target)`` gets one
-        micro-batch of each and returns its scalar loss. With ``reduction="mean"`` (a
-        loss_fn that averages over its micro-batch) each micro-batch's loss is weighted by
-        its share of the batch; with "sum" they are added. Either way the loss and every
-        ``.grad`` equal ``loss_fn(model(input), target).backward()`` on the whole batch
-        (gradients accumulate, as backward() does: zero them between steps, or leave them
-        to accumulate over several steps, exact also with ``dp_group`` and tied weights
-        across ranks). The input's gradient reaches ``input.grad`` when it requires one.
+        micro-batch of each and returns its scalar loss. ``reduction`` says how that loss
+        reduces its micro-batch, so that the pipe weighs each one by its share:
+
+        - ``"mean"`` (a mean over the micro-batch's rows, as ``nn.MSELoss()`` computes):
+          weighted by its rows' share of the batch;
+        - ``"sum"``: added up;
+        - :class:`gpipe_fast.ItemMean` (a mean over the items it counts, as
+          ``nn.CrossEntropyLoss(ignore_index=-100)`` averages over the targets that are not
+          -100: padding, prompt masks): weighted by its items' share of the batch's.
+
+        Either way the loss and every ``.grad`` equal
+        ``loss_fn(model(input), target).backward()`` on the whole batch (gradients
+        accumulate, as backward() does: zero them between steps, or leave them to accumulate
+        over several steps, each step averaging over its own batch; exact also with
+        ``dp_group``, where the batch is every replica's, and tied weights across ranks).
+        ``num_items_in_batch`` (with an items mean) is the count the mean divides by instead
+        of this step's own, the same on every rank: the items of several steps whose
+        gradients accumulate before the optimizer's step, over every replica, as
+        transformers' Trainer counts them; each step then adds its items' sum divided by it.
+        The input's gradient reaches ``input.grad`` when it requires one.
         Under ``torch.no_grad()`` it raises RuntimeError before running anything: see
         :meth:`eval_step`.
 
@@ -470,10 +551,14 @@ class GPipe(nn.Module):
                 "grad_scaler must be a gpipe_fast.GradScaler (a torch.amp.GradScaler) or None, "
                 f"got {type(grad_scaler).__name__}"
             )
+        reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
-            return _identity_train_step(input, target, loss_fn)
+            return _identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
+        if self._auto is not None:  # tunes at a new input signature (may rebuild the cells)
+            self._auto.before_step(self, input, target, loss_fn, reduction)
+            pipeline = cast(Pipeline, self._pipeline)
         loss_scale = None
         if grad_scaler is not None and grad_scaler.is_enabled():
             # Every rank asks, so that every rank's scaler is ready to unscale_.
@@ -482,9 +567,51 @@ class GPipe(nn.Module):
 
         train = StepRequest(
             "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
-            reduction, loss_scale,
+            reduction, loss_scale, counting,
         )  # fmt: skip
         return self._timed_step(lambda: run_step(pipeline, train, input, target))
+
+    def tune(
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: LossFn,
+        memory_per_device: int | None = None,
+        budget_s: float | None = None,
+        *,
+        reduction: str = "mean",
+        progress: bool = True,
+    ) -> Any:
+        """Chooses what the pipe was built with as "auto" (``schedule``, with it the cells
+        unless ``balance`` was given; ``chunks``; ``checkpoint``) for batches like `input`:
+        ranks the candidates with :func:`gpipe_fast.plan` (those whose predicted peak fits
+        `memory_per_device` bytes), runs the best few for a few steps each on this job, on
+        every rank at once, and keeps the fastest (the same on every rank). Returns
+        :attr:`tuning`. The steps change nothing of the model: parameters, gradients,
+        buffers, the input's gradient and the random generators are as they were. `budget_s`
+        bounds the seconds spent measuring; a bar shows the progress (`progress`).
+
+        A pipe built with "auto" tunes at its first ``train_step``, and again at each new
+        input signature (shapes and dtypes); this call tunes now. Across processes the cells
+        of a GPipe may move between ranks here (not at a ``train_step``): call it on every
+        rank, before building the optimizer over ``pipe.parameters()``."""
+        if self._auto is None:
+            raise ValueError(
+                "pipe.tune: nothing to tune; build the pipe with schedule='auto', "
+                "chunks='auto' or checkpoint='auto'"
+            )
+        if self._pipeline is None:
+            raise ValueError("pipe.tune: an empty pipe has no cells to tune")
+        self._check_initialised()
+        options = TuneOptions(memory_per_device, budget_s, reduction=reduction, progress=progress)
+        return self._auto.tune(self, input, target, loss_fn, options)
+
+    @property
+    def tuning(self) -> Any:
+        """What the last tuning chose for the current input signature and why (a
+        :class:`~gpipe_fast.Tuning`: the choice, every candidate's predicted and measured
+        step, the calibrated plan); None before the first tuning or without "auto"."""
+        return None if self._auto is None else self._auto.current
 
     def clip_grad_norm_(
         self,
@@ -528,24 +655,53 @@ class GPipe(nn.Module):
         return beside.naming_dead_ranks(groups.guard if groups is not None else None, what)
 
     def eval_step(
-        self, input: Value | None, target: Any, loss_fn: LossFn, *, reduction: str = "mean"
+        self,
+        input: Value | None,
+        target: Any,
+        loss_fn: LossFn,
+        *,
+        reduction: str | ItemMean = "mean",
+        num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of the whole batch, as :meth:`train_step` returns it (the same weighting,
-        the same inputs on each rank), from a forward-only run of every micro-batch: no
-        gradient is computed, no ``.grad`` touched, no graph recorded and no activation kept.
+        ``reduction`` and ``num_items_in_batch``, the same inputs on each rank), from a
+        forward-only run of every micro-batch: no gradient is computed, no ``.grad``
+        touched, no graph recorded and no activation kept.
 
         It runs in the pipe's own mode (dropout active after ``train()``, off after
         ``eval()``: switch it yourself) and under the caller's autocast. With ``pp_group``
         every rank calls it and gets the loss; with ``dp_group``, the loss of the batch over
         every replica."""
+        reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
             check_loss_arguments(loss_fn, reduction)
             with torch.no_grad():
-                return _identity_loss(input, target, loss_fn)
+                return _identity_loss(input, target, loss_fn, counting)
         self._check_initialised()
-        evaluate = StepRequest("evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction)
+        evaluate = StepRequest(
+            "evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction, counting=counting
+        )
         return self._timed_step(lambda: run_step(pipeline, evaluate, input, target))
+
+    def _loss_reduction(
+        self, reduction: object, target: Any, num_items_in_batch: object
+    ) -> tuple[str, Counting | None]:
+        """A step's reduction as the runtime takes it: "mean" or "sum", or how to count the
+        items of an items mean (gf.ItemMean: in the target)."""
+        given = check_items_given(num_items_in_batch)
+        if isinstance(reduction, ItemMean):
+            return "mean", Counting("target", reduction.counter(), given)
+        if given is not None:
+            raise ValueError(
+                f"num_items_in_batch divides a mean over counted items, but reduction is "
+                f"{reduction!r}: give reduction=gf.ItemMean()"
+            )
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {REDUCTIONS} or a gpipe_fast.ItemMean, got {reduction!r}"
+            )
+        return str(reduction), None
 
     def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Runs a step; while recording, keeps how long the call took (its own work around
@@ -599,6 +755,7 @@ class GPipe(nn.Module):
             clocks=self._pipeline.executor.worker_clocks(),
             schedule=self.schedule if "step" in recorded else "gpipe",
             call_s=self._pipeline.recorded_call_s if "step" in recorded else 0.0,
+            whole_backward=self._pipeline.whole_backward_cells() if "step" in recorded else (),
         )
 
     def memory_stats(self) -> list[CellMemoryStats]:
@@ -732,18 +889,26 @@ def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
                 )
 
 
-def _identity_loss(input: Value | None, target: Any, loss_fn: LossFn) -> torch.Tensor:
-    """The loss of an empty pipe: that of the input itself."""
+def _identity_loss(
+    input: Value | None, target: Any, loss_fn: LossFn, counting: Counting | None = None
+) -> torch.Tensor:
+    """The loss of an empty pipe: that of the input itself (an items mean divided by the
+    count given instead of its own, with num_items_in_batch)."""
     as_tensors(input, "input")
     loss = loss_fn(input, target)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
+    if counting is not None and counting.given is not None and counting.count is not None:
+        (items,) = count_items(counting.count, [target])
+        loss = loss * (items / counting.given) if items else torch.zeros_like(loss)
     return loss
 
 
-def _identity_train_step(input: Value, target: Any, loss_fn: LossFn) -> torch.Tensor:
+def _identity_train_step(
+    input: Value, target: Any, loss_fn: LossFn, counting: Counting | None = None
+) -> torch.Tensor:
     """train_step of an empty pipe: the loss of the input, its gradient into the input."""
-    loss = _identity_loss(input, target, loss_fn)
+    loss = _identity_loss(input, target, loss_fn, counting)
     if loss.requires_grad:
         loss.backward()
     return loss.detach()

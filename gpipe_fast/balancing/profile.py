@@ -22,6 +22,8 @@ from gpipe_fast.arguments import (
 )
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree, map_tensors, tensors_of, with_tensors
+from gpipe_fast.skip.namespace import Namespace
+from gpipe_fast.skip.tracker import SkipTracker, use_skip_tracker
 
 Device = torch.device | str | int
 Sample = Tensor | tuple[Tensor, ...]
@@ -142,6 +144,26 @@ def _fresh_input(value: Tree, needs_grad: Sequence[bool]) -> Tree:
     return with_tensors(value, fresh)
 
 
+class _FreshSkips(SkipTracker):
+    """Skips as layer-by-layer profiling hands them over: a pop gets fresh leaves of what the
+    latest stash left, as a cell boundary would, and every repeat may pop them again (a
+    popped tensor still attached to the stashing layer's graph would be backwarded twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.needs_grad: dict[tuple[Namespace | None, str], bool] = {}
+
+    def save(self, ns: Namespace | None, name: str, tensor: Tensor | None) -> None:
+        self.tensors[(ns, name)] = None if tensor is None else tensor.detach()
+        self.needs_grad[(ns, name)] = tensor is not None and tensor.requires_grad
+
+    def load(self, ns: Namespace | None, name: str) -> Tensor | None:
+        tensor = self.tensors[(ns, name)]
+        if tensor is None:
+            return None
+        return tensor.detach().requires_grad_(self.needs_grad[(ns, name)]).clone()
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -248,6 +270,7 @@ def profile_layers(
     timeout: float | None = None,
     split: bool = False,
     statistic: str = "median",
+    copies: bool = True,
 ) -> LayerProfile:
     """Times each layer's forward and backward on `device`, feeding `sample` through the module
     layer by layer as the pipeline would: each layer gets the previous layer's output as fresh
@@ -262,7 +285,9 @@ def profile_layers(
     layer slower than its share takes longer. `split=True` also times the backward's
     input-gradient and weight-gradient halves (LayerProfile.backward_input and
     backward_weight), as the zero-bubble schedule runs them. `statistic`: "median" of the
-    repeats (default) or "mean"."""
+    repeats (default) or "mean". `copies=False` runs the layers themselves, where they are
+    and in their own mode (layers that cannot be deep-copied; the caller then restores
+    their ``.grad`` and running statistics)."""
     module = check_module(module)
     average = STATISTICS[check_choice(statistic, "statistic", tuple(STATISTICS))]
     target = resolve_device(device, module)
@@ -275,9 +300,9 @@ def profile_layers(
     upstream = any(needs_grad)  # does anything before this layer learn?
 
     profile = LayerProfile([], [], [])
-    with torch.enable_grad():
+    with torch.enable_grad(), use_skip_tracker(_FreshSkips()):
         for index, layer in enumerate(module):
-            work = _profiling_copy(layer, index, target)
+            work = _profiling_copy(layer, index, target) if copies else layer
             halves = [profile.backward_input, profile.backward_weight] if split else None
             forward_s, backward_s, value = _profile_layer(
                 work, value, needs_grad, target, warmup, count, per_layer_s, halves, average
@@ -310,7 +335,7 @@ def layer_costs_by_time(
 
 
 def layer_output_bytes(
-    module: nn.Sequential, sample: Sample, *, device: Device | None = None
+    module: nn.Sequential, sample: Sample, *, device: Device | None = None, copies: bool = True
 ) -> list[int]:
     """Bytes of each layer's output tensors, measured by one forward of `sample` (no graph) on
     copies of the layers in training mode. Outputs that are views still count in full: at a
@@ -323,7 +348,8 @@ def layer_output_bytes(
     sizes = []
     with torch.no_grad():
         for index, layer in enumerate(module):
-            value = _profiling_copy(layer, index, target)(value)
+            work = _profiling_copy(layer, index, target) if copies else layer
+            value = work(value)
             sizes.append(_nbytes(tensors_of(value)))
     return sizes
 

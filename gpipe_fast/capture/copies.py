@@ -14,6 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpipe_fast.nn.compiled import uncompile
+
 # A module's hooks, by the attribute holding them; the with_kwargs and always_called sets
 # name hooks of the first two by their handle's id.
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -85,6 +87,7 @@ def quiet(module: nn.Module) -> None:
     """A copy made quiet: none of the user's hooks fires on it (the model's own stay), nor any
     hook registered for every module, and its TransformerEncoders do not take the
     nested-tensor fast path (fake tensors cannot be nested; the output's shape is the same)."""
+    uncompile(module)  # shapes need no compiled code (nor a copy running the original)
     for owner in module.modules():
         for attribute in _HOOKS:
             hooks = getattr(owner, attribute, None)

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from gpipe_fast.nn.compiled import is_compiled, original, warn_eager
+
 _local = threading.local()
 
 
@@ -45,6 +47,44 @@ def install(modules: Iterable[nn.Module]) -> None:
         found = module.__dict__.get("_compiled_call_impl")
         if not isinstance(found, AtomCall):
             module._compiled_call_impl = AtomCall(module, found)
+
+
+class EagerInRun:
+    """Replaces the compiled call of a compiled module that holds atoms (the model, or a part
+    of it cut by split points): inside a run it runs uncompiled, since torch.compile cannot
+    trace a stage's dispatch, and warns once naming it; outside, compiled as ever."""
+
+    def __init__(self, module: nn.Module, compiled: Callable[..., Any], name: str) -> None:
+        self.module = module
+        self.compiled = compiled
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "run", None) is None:
+            return self.compiled(*args, **kwargs)
+        warn_eager(self.module, self.name, "it holds stage boundaries or other stages' modules, "
+                   "so its compiled graph would span stages; compile the blocks inside it "
+                   "instead (each decoder layer, for example)")  # fmt: skip
+        inner = original(self.module)  # torch.compile(module): the module it wraps, uncompiled
+        if inner is not self.module:
+            return inner(*args, **kwargs)
+        return self.module._call_impl(*args, **kwargs)
+
+
+def run_eagerly_in_runs(model: nn.Module, atoms: Iterable[nn.Module]) -> None:
+    """Makes each compiled module of `model` that holds one of `atoms` (once) run uncompiled
+    inside a stage's run (EagerInRun)."""
+    inside = {id(m) for atom in atoms for m in atom.modules()}
+    for name, module in model.named_modules():
+        if id(module) in inside or not is_compiled(module):
+            continue
+        if not any(id(m) in inside for m in module.modules()):
+            continue
+        attribute = "forward" if module.__dict__.get("_compiled_call_impl") is None else (
+            "_compiled_call_impl")  # fmt: skip
+        compiled = module.__dict__.get(attribute)
+        if compiled is not None and not isinstance(compiled, EagerInRun):
+            setattr(module, attribute, EagerInRun(module, compiled, name or "the model"))
 
 
 def current() -> Run | None:

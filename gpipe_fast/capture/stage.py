@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
 )
 
-from gpipe_fast.capture.dispatch import current, install, running
+from gpipe_fast.capture.dispatch import current, install, run_eagerly_in_runs, running
 from gpipe_fast.capture.identity import Key, KeyedRun, rebuilt, replace
 from gpipe_fast.capture.placeholders import Placeholders
 from gpipe_fast.capture.plan import Plan
@@ -277,6 +277,9 @@ class StageCell(nn.Module):
         self.stage = stage
         self.last = stage == plan.stages - 1
         self.present = list(plan.tensor_inputs)  # stage 0: the inputs of the current step
+        # The last stage: keywords of the model's forward set for a step (its loss's count,
+        # num_items_in_batch), over any given as inputs.
+        self.loss_kwargs: dict[str, Any] = {}
         self.__dict__["_model"] = model  # not a submodule: each cell holds only its atoms
         self._model: nn.Module
         for fqn in plan.atoms[stage]:
@@ -323,6 +326,7 @@ class StageCell(nn.Module):
         if found is None:
             found = [self._model.get_submodule(call.fqn) for call in plan.calls]
             install(found)
+            run_eagerly_in_runs(self._model, found)
             self._hook_side_outputs(plan)
             self._atoms[id(plan)] = found
         return found
@@ -383,6 +387,8 @@ class StageCell(nn.Module):
         for key, name in self.pops:
             received[key] = yield pop(name)
         args, kwargs, inputs = _inputs(plan, received)
+        if self.last and self.loss_kwargs:
+            kwargs.update(self.loss_kwargs)
         run = _StageRun(self, plan, received, inputs)
         output = None
         with running(run), run.enter() if run.glue else nullcontext():

@@ -11,10 +11,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from gpipe_fast.distributed.guard import Guard, PeerFailure
-
-# How gloo (and the store) word a connection the other end's death broke.
-_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+from gpipe_fast.distributed.guard import LOST_CONNECTION, Guard, PeerFailure
 
 
 def is_lost_connection(error: BaseException) -> bool:
@@ -23,7 +20,7 @@ def is_lost_connection(error: BaseException) -> bool:
     error into one CheckpointException (its `failures`): one of them broken is enough."""
     if isinstance(error, (ConnectionError, dist.DistNetworkError)):
         return True
-    if isinstance(error, RuntimeError) and any(text in str(error) for text in _LOST):
+    if isinstance(error, RuntimeError) and any(text in str(error) for text in LOST_CONNECTION):
         return True
     failures = getattr(error, "failures", None)
     return isinstance(failures, dict) and any(

@@ -24,6 +24,7 @@ from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
 from gpipe_fast.distributed.transports.across import skips_between_ranks
 from gpipe_fast.distributed.transports.registry import PipeMedia, make_transport, open_media
+from gpipe_fast.nn.items import Counting, count_items, step_items
 from gpipe_fast.nn.microbatch import (
     BatchShare,
     Value,
@@ -51,16 +52,21 @@ def rank_share(
     needs_target: bool,
     ready: Callable[[], None] | None = None,
     same_count: bool = False,
+    counting: Counting | None = None,
 ) -> BatchShare:
     """This rank's share of a step: cell 0's rank needs `input` (and tells the others its
     batch size), the last cell's rank `target` when `needs_target`; the others may pass
-    None. Refuses a step after a failed one, and one that `ready` raises for."""
+    None. Refuses a step after a failed one, and one that `ready` raises for. With
+    `counting`, the items of the micro-batches are counted where they are (cell 0's input or
+    the last cell's target) and agreed on (see ProcessGroups.items)."""
     groups.check_usable()
     first, last = layout.is_local(0), layout.is_local(layout.stages - 1)
     # A bad argument or a rank that cannot run is every rank's failed step, with its cause,
     # not a wait until the timeout (or the end of the refusing rank's process).
     refusal: BaseException | None = None
     given: tuple[Tensor, ...] = ()
+    microbatches: list[Value] = []
+    counted: list[int] | None = None
     try:
         if ready is not None:
             ready()
@@ -70,6 +76,8 @@ def rank_share(
             raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
         given = as_tensors(input, "input") if first else ()
         size = batch_size(given, "input") if first else None
+        if counting is not None:
+            counted = _count_here(counting, input, target, chunks, first=first, last=last)
     except BaseException as error:
         report(error)
         if groups.agrees_over_rings:
@@ -85,14 +93,43 @@ def rank_share(
         raise refusal from None
     if refusal is not None:
         raise refusal
+    count = len(split_sizes(batch, chunks))
+    items = None
+    if counting is not None:
+        try:
+            if counting.source == "target" and counted is None:
+                counted = [0] * count  # the target is the last cell's rank's
+            local, counted_total = groups.items(
+                counted, count, from_first=counting.source == "input"
+            )
+            if local is not None:
+                items = step_items(local, counted_total, counting.given)
+        except BaseException as error:
+            report(error)
+            raise
     with torch.no_grad():
-        microbatches = scatter(input, chunks) if first and input is not None else []
-        targets = (
-            scatter_target(target, batch, chunks)
-            if needs_target and last
-            else [None] * len(split_sizes(batch, chunks))
-        )
-    return BatchShare(given, microbatches, targets, batch, total)
+        if first and input is not None:
+            microbatches = scatter(input, chunks)
+        targets = scatter_target(target, batch, chunks) if needs_target and last else [None] * count
+    return BatchShare(given, microbatches, targets, batch, total, items)
+
+
+def _count_here(
+    counting: Counting, input: Value | None, target: Any, chunks: int, *, first: bool, last: bool
+) -> list[int] | None:
+    """The items this rank counts, before the batch is agreed: those of cell 0's input, or
+    of the last cell's target (split by its own size: a size that differs from the input's
+    is refused once the batch is agreed); None where it counts none."""
+    if counting.count is None:
+        return None
+    if counting.source == "input" and first and input is not None:
+        with torch.no_grad():
+            return count_items(counting.count, scatter(input, chunks))
+    if counting.source == "target" and last and target is not None:
+        size = batch_size(as_tensors(target, "target"), "target")
+        with torch.no_grad():
+            return count_items(counting.count, scatter_target(target, size, chunks))
+    return None
 
 
 class CrossProcess:
@@ -157,12 +194,19 @@ class CrossProcess:
         )
 
     def share(
-        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+        self,
+        input: Value | None,
+        target: Any,
+        chunks: int,
+        *,
+        needs_target: bool,
+        counting: Counting | None = None,
     ) -> BatchShare:
         """This rank's share of a step (see rank_share)."""
         return rank_share(
             self.layout, self.groups, self.report, input, target, chunks,
             needs_target=needs_target, ready=self.ready, same_count=self.sharding is not None,
+            counting=counting,
         )  # fmt: skip
 
     def run(self, run: Callable[[], T], *, backward: bool) -> T:
@@ -183,9 +227,18 @@ class CrossProcess:
                 self.report(error)
                 raise
         if sharding is not None:
-            sharding.check_order()
-            sharding.reshard()
+            try:
+                sharding.check_order()
+                sharding.reshard()
+            except BaseException as error:
+                self.report(error)
+                raise
         return result
+
+    def interrupt(self) -> None:
+        """Ctrl-C stopped this rank's run: every rank is told at once, as of a failure, so
+        that the other ranks' waits end, and so do this rank's own (which end its tasks)."""
+        self.report(KeyboardInterrupt("interrupted (Ctrl-C)"))
 
     def after_backward(self) -> None:
         """What a backward leaves to sum once every cell's is done: the tied parameters'
@@ -269,7 +322,7 @@ class CrossProcess:
         assert dp is not None, "sharding needs a dp_group"
         self.sharding = Sharding(
             self.modules, devices, dp, sync=sync, reshard_after_forward=reshard_after_forward,
-            split=split, timeout_s=timeout_s,
+            split=split, timeout_s=timeout_s, guard=self.groups.guard,
         )  # fmt: skip
         if self.tied:
             self.tied.refresh(self.modules, (dist.get_world_size(dp), dist.get_rank(dp)))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import queue
+import re
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from gpipe_fast import _C
@@ -21,6 +24,9 @@ LINGER_S = 10.0
 # How long a broken connection waits to see its other end's process end: a dying process's
 # sockets close an instant before its pid shows it ended.
 DEATH_GRACE_S = 0.2
+# How long a helper thread of the waits may take to start before the wait that needed it
+# fails (under an address-space cap a thread may not get its stack, or die as it starts).
+THREAD_START_S = 10.0
 
 T = TypeVar("T")
 
@@ -51,6 +57,32 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+# Gloo's wording of a connection error: "[.../pair.cc:537] Read error [127.0.0.1]:7080:
+# Connection reset by peer. This is typically caused by ..." (the source line, then the peer's
+# address, then advice about the remote worker).
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h)(?::\d+)?\]\s*")
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by.*$")
+# How gloo (and the store) word a connection the other end's death broke.
+LOST_CONNECTION = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _cause(error: BaseException) -> str:
+    """What a broken connection's error says: how it broke, without gloo's source line,
+    addresses and advice."""
+    line = _first_line(error)
+    lost = next((text for text in LOST_CONNECTION if text in line), None)
+    if lost is not None:
+        return lost
+    return _GLOO_ADVICE.sub("", _GLOO_SOURCE.sub("", line)) or type(error).__name__
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """The ranks in words: rank 3, or ranks 1, 2."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 def _wait_all(requests: Sequence[Any]) -> None:
     for request in requests:
         request.wait()
@@ -66,20 +98,23 @@ class _Waiting:
 
 
 class _Waiters:
-    """Daemon threads that wait for requests, so that a wait that never ends (a peer that
-    stopped sending) holds up neither its caller nor the interpreter's exit."""
+    """Helper threads that wait for requests, so that a wait that never ends (a peer that
+    stopped sending) holds up neither its caller nor the interpreter's exit. A thread is
+    started when a submission finds none free (so each wait in flight has one), and must say
+    it started within THREAD_START_S: one that cannot start (no memory for its stack, or it
+    died as it began) fails the wait that needed it at once, which fails the step on every
+    rank, instead of leaving that wait unserved until the timeout. (Plain threads of _thread:
+    threading's start() would wait for ever for a thread that died as it began.)"""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self) -> None:
         # None tells a thread to end (see close).
         self.queue: queue.Queue[_Waiting | None] = queue.Queue()
-        self.threads = threads
-        for index in range(threads):
-            thread = threading.Thread(
-                target=self._serve, name=f"gpipe-comm-wait-{index}", daemon=True
-            )
-            thread.start()
+        self.lock = threading.Lock()
+        self.free = 0  # threads waiting for a submission, less the submissions queued
+        self.started = 0
 
-    def _serve(self) -> None:
+    def _serve(self, started: threading.Event) -> None:
+        started.set()
         while True:
             waiting = self.queue.get()
             if waiting is None:
@@ -88,19 +123,38 @@ class _Waiters:
                 _wait_all(waiting.requests)
             except BaseException as error:
                 waiting.error = error
-            finally:
-                waiting.done.set()
+            with self.lock:  # free before its waiter hears: the next wait finds this thread
+                self.free += 1
+            waiting.done.set()
 
     def submit(self, requests: Sequence[Any]) -> _Waiting:
+        with self.lock:
+            if self.free > 0:
+                self.free -= 1
+            else:
+                self._start()
         waiting = _Waiting(requests)
         self.queue.put(waiting)
         return waiting
 
+    def _start(self) -> None:
+        """One more thread, which takes the submission being made (caller holds the lock)."""
+        started = threading.Event()
+        _thread.start_new_thread(self._serve, (started,))  # RuntimeError if it cannot
+        if not started.wait(THREAD_START_S):
+            raise RuntimeError(
+                f"gpipe_fast: a thread to wait on another rank did not start within "
+                f"{THREAD_START_S:g} s (out of memory?)"
+            )
+        self.started += 1
+
     def close(self) -> None:
         """Ends the threads without waiting for them: an idle one at once, one still blocked
         in a wait given up (a failed step) once that wait ends."""
-        for _ in range(self.threads):
-            self.queue.put(None)
+        with self.lock:
+            for _ in range(self.started):
+                self.queue.put(None)
+            self.started = self.free = 0
 
 
 class Guard:
@@ -118,7 +172,12 @@ class Guard:
     that reported it stays at exit until the `peers` other ranks have read it, for at most
     LINGER_S: the store may live in its process. A rank that stopped answering is not waited
     for: the guard knows every rank's process (`processes`), so that a rank of this host that
-    died is named, wherever the news of it comes from (a broken channel, the store gone)."""
+    died is named, wherever the news of it comes from (a broken channel, the store gone).
+
+    A wait that times out names the rank that did not answer, not the one that waited: a
+    rank whose wait has lasted half the timeout says in the store whom it waits for, so that
+    a rank that times out waiting for it names the rank at the end of that chain (the slow
+    one), and the slow rank, once it wakes, reads that it was named."""
 
     def __init__(
         self,
@@ -132,6 +191,7 @@ class Guard:
         self.store = store
         self.key = f"{prefix}/failure"
         self.seen_key = f"{prefix}/failure-seen"
+        self.waiting_prefix = f"{prefix}/waiting"  # /<rank>: whom that rank waits for
         self.rank = rank
         self.timeout_s = timeout_s
         self.peers = peers
@@ -145,16 +205,17 @@ class Guard:
         self.processes = processes
         # Ranks this one found dead or silent: they will not read a failure.
         self.gone: set[int] = set()
-        self._waiters = _Waiters(4)
+        self._waiters = _Waiters()
         _lingering.add(self)
 
-    def report(self, message: str, rank: int | None = None) -> None:
-        """Tells every rank that this one failed (or that `rank` did: it died), unless a
-        rank reported a failure first (this rank's first report is kept locally either
-        way)."""
+    def report(self, message: str, rank: int | str | None = None) -> None:
+        """Tells every rank that this one failed (or that `rank` did: it died or did not
+        answer; a str names several ranks), unless a rank reported a failure first (this
+        rank's first report is kept locally either way)."""
         if self.local is not None:
             return
-        self.local = f"rank {self.rank if rank is None else rank}: {message}"
+        who = rank if isinstance(rank, str) else f"rank {self.rank if rank is None else rank}"
+        self.local = f"{who}: {message}"
         record = f"{self.step}:{self.local}"  # which step failed, then where and why
         try:
             stored = self.store.compare_set(self.key, "", record)
@@ -258,14 +319,16 @@ class Guard:
             return
         waiting = self._waiters.submit(requests)
         suspects = _group_ranks(group) or (() if peer is None else (peer,))
-        start = time.monotonic()
-        while not waiting.done.wait(CHECK_EVERY_S):
-            self.check()
-            if time.monotonic() - start > self.timeout_s:
-                raise self.timed_out(what, peer)
-        if waiting.error is not None:
+        with self._watch(what, peer, suspects) as watch:
+            while not waiting.done.wait(CHECK_EVERY_S):
+                watch()
+        error = waiting.error
+        if error is not None:
             self.check()  # a failure reported elsewhere explains it best
-            raise self.lost(what, peer, waiting.error, suspects) from waiting.error
+            if isinstance(error, TimeoutError) or "timed out" in _first_line(error).lower():
+                # The group's own timeout (a sharded cell's is the pipe's) came first.
+                raise self.timed_out(what, peer, suspects) from error
+            raise self.lost(what, peer, error, suspects) from error
 
     def poll(
         self,
@@ -279,28 +342,115 @@ class Guard:
         a look for another rank's failure), ConnectionError when the other end (`peer`, or
         one of `suspects`) closed or died. Bounded by the timeout, like `wait`, with the same
         messages."""
-        start = time.monotonic()
-        while True:
-            try:
-                return attempt(CHECK_EVERY_S)
-            except TimeoutError:
-                self.check()
-                if time.monotonic() - start > self.timeout_s:
-                    raise self.timed_out(what, peer) from None
-            except ConnectionError as error:
-                self.check()  # the failure that closed the channel, as its rank reported it
-                raise self.lost(what, peer, error, suspects) from error
+        with self._watch(what, peer, suspects or (() if peer is None else (peer,))) as watch:
+            while True:
+                try:
+                    return attempt(CHECK_EVERY_S)
+                except TimeoutError:
+                    watch()
+                except ConnectionError as error:
+                    self.check()  # the failure that closed the channel, as its rank reported it
+                    raise self.lost(what, peer, error, suspects) from error
 
-    def timed_out(self, what: str, peer: int | None) -> PeerFailure:
+    @contextmanager
+    def _watch(
+        self, what: str, peer: int | None, suspects: Sequence[int]
+    ) -> Iterator[Callable[[], None]]:
+        """A wait's look between its slices: raises another rank's failure, or at the timeout
+        the one naming the rank that did not answer; past half the timeout, says in the store
+        whom this rank waits for (until the wait ends)."""
+        start = time.monotonic()
+        marked = False
+
+        def look() -> None:
+            nonlocal marked
+            self.check()
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                raise self.timed_out(what, peer, suspects)
+            if not marked and waited > self.timeout_s / 2 and suspects:
+                marked = self._mark_waiting(suspects)
+
+        try:
+            yield look
+        finally:
+            if marked:
+                self._mark_waiting(())
+
+    def _mark_waiting(self, ranks: Sequence[int]) -> bool:
+        """Says in the store whom this rank waits for (nobody: ())."""
+        try:
+            self.store.set(f"{self.waiting_prefix}/{self.rank}", ",".join(map(str, ranks)))
+            return True
+        except Exception:  # the store is gone: the wait's own end will say why
+            return False
+
+    def _waits_for(self, rank: int) -> list[int]:
+        """The ranks `rank` has said it waits for (none: it is not waiting, or not yet)."""
+        key = f"{self.waiting_prefix}/{rank}"
+        try:
+            if not self.store.check([key]):
+                return []
+            text = bytes(self.store.get(key)).decode(errors="replace")
+        except Exception:
+            return []
+        return [int(r) for r in text.split(",") if r.strip()]
+
+    def _silent(self, suspects: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(the ranks among `suspects` that did not answer, the ranks in between): of several
+        (a collective's), those that do not wait themselves; a suspect that waits for another
+        rank passes the blame on to that rank, along the chain of waits, until a rank that
+        waits for nobody (or a cycle, or several)."""
+        others = sorted(set(suspects) - {self.rank})
+        between: list[int] = []
+        seen = {self.rank}
+        while others:
+            if len(others) > 1:  # a collective's ranks: those that arrived wait in it too
+                idle = [rank for rank in others if not self._waits_for(rank)]
+                others = idle or others
+                if len(others) > 1:
+                    break
+            (rank,) = others
+            if rank in seen:
+                break
+            seen.add(rank)
+            further = sorted(set(self._waits_for(rank)) - seen)
+            if not further:
+                break
+            between.append(rank)
+            others = further
+        return others, between
+
+    def timed_out(self, what: str, peer: int | None, suspects: Sequence[int] = ()) -> PeerFailure:
+        """The failure of a wait that reached the timeout: a rank of this host that died,
+        else the rank that did not answer (reported as the failure every rank reads, so that
+        it is the one named everywhere, itself included), or the ranks one of which did not."""
+        suspects = suspects or (() if peer is None else (peer,))
         source = "" if peer is None else f" from rank {peer}"
-        waited = f"rank {self.rank} waited {self.timeout_s:g} s for {what}{source}"
-        dead = self._dead(() if peer is None else (peer,), silent=False)
+        dead = self._dead(suspects, silent=False)
         if dead is not None:  # a rank of this host died: it is why
+            waited = f"rank {self.rank} waited {self.timeout_s:g} s for {what}{source}"
             return self._blame(dead, waited)
-        return PeerFailure(
-            f"gpipe_fast: {waited}; that rank failed or died (or the ranks run different "
-            "programs: same model, balance, chunks and schedule everywhere?)"
-        )
+        silent, between = self._silent(suspects)
+        waited = f"rank {self.rank} waited for {what}{source}"
+        for index, rank in enumerate(between):  # the chain of waits, to the silent rank
+            after = between[index + 1 : index + 2] or silent
+            waited += f"; rank {rank} for {_ranks(after)}"
+        within = f"within {self.timeout_s:g} s"
+        if not silent:  # nobody at the other end to name: this rank's own failure
+            return PeerFailure(f"gpipe_fast: {waited}: nothing came {within}")
+        if len(silent) > 1:  # one of a collective's ranks: which one cannot be told
+            named = f"one of {_ranks(silent)}"
+            self.report(f"{named} did not answer {within}; {waited}", named)
+            return PeerFailure(f"gpipe_fast: the step failed on {self.failure() or self.local}")
+        (rank,) = silent
+        if self.processes is None:
+            state = "slow, stuck or gone"
+        elif self.processes.probed(rank):
+            state = "its process still runs: slow or stuck"
+        else:
+            state = "its host is another: whether its process runs cannot be seen"
+        return self._blame((rank, f"rank {rank} did not answer {within} ({state})"), waited)
 
     def lost(
         self, what: str, peer: int | None, error: BaseException, suspects: Sequence[int] = ()
@@ -310,7 +460,7 @@ class Guard:
         is reported as the failure every rank reads, with what this rank saw."""
         source = "" if peer is None else f" from rank {peer}"
         suspects = suspects or (() if peer is None else (peer,))
-        lost = f"rank {self.rank} lost {what}{source}: {_first_line(error)}"
+        lost = f"rank {self.rank} lost {what}{source}: {_cause(error)}"
         dead = self._dead(suspects)
         if dead is not None:
             return self._blame(dead, lost)
@@ -320,9 +470,9 @@ class Guard:
         return PeerFailure(f"gpipe_fast: {lost}")
 
     def _blame(self, dead: tuple[int, str], seen: str) -> PeerFailure:
-        """Reports `dead` (a rank, how it ended: see _dead) as the step's failure, with what
-        this rank `seen`; the failure every rank reads, as a PeerFailure (an earlier report
-        wins)."""
+        """Reports `dead` (a rank, how it ended or that it did not answer) as the step's
+        failure, with what this rank `seen`; the failure every rank reads, as a PeerFailure
+        (an earlier report wins)."""
         self.report(f"{dead[1]}; {seen}", rank=dead[0])
         return PeerFailure(f"gpipe_fast: the step failed on {self.failure() or self.local}")
 

@@ -53,16 +53,22 @@ class ProcessLayout:
         return [s for s in range(self.stages) if self.is_local(s)]
 
 
-def make_layout(
-    pp_group: Any | None, dp_group: Any | None, stages: int, schedule: str
-) -> ProcessLayout:
-    """The layout of `stages` stages over the groups; ValueError naming the argument that
-    does not fit."""
+def check_groups(pp_group: Any | None, dp_group: Any | None) -> None:
+    """ValueError naming the group this process cannot use (torch.distributed not initialised,
+    or this process not in it)."""
     for name, group in (("pp_group", pp_group), ("dp_group", dp_group)):
         if group is not None and not dist.is_initialized():
             raise ValueError(f"{name}: torch.distributed is not initialised (init_process_group)")
         if group is not None and dist.get_rank(group) < 0:
             raise ValueError(f"{name}: this process (rank {dist.get_rank()}) is not in the group")
+
+
+def make_layout(
+    pp_group: Any | None, dp_group: Any | None, stages: int, schedule: str
+) -> ProcessLayout:
+    """The layout of `stages` stages over the groups; ValueError naming the argument that
+    does not fit."""
+    check_groups(pp_group, dp_group)
     if pp_group is None:
         return ProcessLayout(None, dp_group, (0,), 0, stages)
     ranks = tuple(_ranks(pp_group))

@@ -14,7 +14,13 @@ from torch.distributed import distributed_c10d as c10d
 from gpipe_fast.distributed.guard import Guard, PeerFailure
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.shm_links import BATCH_TAG, LOSS_TAG, ShmLinks
+from gpipe_fast.distributed.shm_links import (
+    BATCH_TAG,
+    ITEMS_TAG,
+    LOSS_TAG,
+    SIGNATURE_TAG,
+    ShmLinks,
+)
 from gpipe_fast.distributed.transports.wire import DTYPES
 from gpipe_fast.nn.microbatch import split_sizes
 
@@ -163,6 +169,55 @@ class ProcessGroups:
                     f"tasks on every replica; give each replica at least {chunks} rows"
                 )
         return size, int(message[0].item())
+
+    def items(
+        self, counted: list[int] | None, count: int, *, from_first: bool
+    ) -> tuple[list[int] | None, int]:
+        """The items of a step's `count` micro-batches, for a loss that averages over counted
+        items: (this replica's per micro-batch, their total over every replica).
+
+        `from_first`: cell 0's rank counted them in its input (a model's labels; `counted`
+        None: the input holds none, and every rank gets None); it tells the others. Else each
+        rank gives its own (the last cell's rank counted its target; the others give zeros).
+        The replicas add their totals up, and must all count items or none (ValueError)."""
+        local = counted
+        if from_first and self.layout.multi_process:
+            # [whether the input holds items, then the items of each micro-batch]
+            message = torch.zeros(1 + count, dtype=torch.int64, device=self.device)
+            if counted is not None:
+                message[0] = 1
+                message[1:] = torch.tensor(counted, dtype=torch.int64)
+            if self.agrees_over_rings:
+                source = self.layout.global_rank(0)
+                self._broadcast(message, source, ITEMS_TAG, "the items of the loss")
+            else:
+                self._reduce(message, "sum", self.layout.pp_group, "the items of the loss")
+            local = message[1:].tolist() if message[0] > 0 else None
+        total = sum(local) if local is not None else 0
+        if self.layout.dp_group is not None:
+            message = torch.tensor(
+                [total, int(local is not None)], dtype=torch.int64, device=self.device
+            )
+            self._reduce(message, "sum", self.layout.dp_group, "the replicas' items")
+            total, holding = (int(v) for v in message.tolist())
+            if holding not in (0, dist.get_world_size(self.layout.dp_group)):
+                raise ValueError(
+                    "labels: some replicas' inputs hold labels and others' do not, so the "
+                    "loss would average over items on some and over rows on others; give "
+                    "every replica labels, or none"
+                )
+        return local, total
+
+    def signature(self, local: int) -> int:
+        """A step's input signature on every rank (a pipe built with "auto" tunes at a new
+        one): cell 0's rank tells the others its `local` one; replicas take the largest."""
+        message = torch.tensor([local], dtype=torch.int64, device=self.device)
+        if self.layout.multi_process:
+            source = self.layout.global_rank(0)
+            self._broadcast(message, source, SIGNATURE_TAG, "the input's signature")
+        if self.layout.dp_group is not None:
+            self._reduce(message, "max", self.layout.dp_group, "the replicas' input signatures")
+        return int(message.item())
 
     def loss(self, local: Tensor | None) -> Tensor:
         """The loss of the whole batch on every rank, in the last cell's dtype: the last

@@ -18,7 +18,9 @@ collectives each makes):
 
 Every unit's collectives run on the thread of its cell's worker, one task at a time, in
 the program's order, which is the same on every replica; each cell has a process group of
-its own, so that two cells of one process never interleave collectives on one group.
+its own, so that two cells of one process never interleave collectives on one group. On the
+CPU they are waited for as every other wait of a step is (sharded_comms.py): another rank's
+failure ends them, and a replica that died or does not answer is named.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gpipe_fast.arguments import check_bool
+from gpipe_fast.distributed.guard import Guard
+from gpipe_fast.distributed.sharded_comms import guard_collectives
 
 SYNCS = ("per_microbatch", "per_step")
 
@@ -79,7 +84,7 @@ def check_sharding(
 
 class ShardedCell:
     """One cell's FSDP units over its own copy of the data-parallel group, and the work its
-    stage's tasks add around them."""
+    stage's tasks add around them; `guard` waits for their collectives on the CPU."""
 
     def __init__(
         self,
@@ -91,9 +96,11 @@ class ShardedCell:
         sync: str,
         reshard_after_forward: bool,
         split: bool,
+        guard: Guard | None = None,
     ) -> None:
         self.index = index
         self.group = group
+        self.guard = guard
         mesh = DeviceMesh.from_group(group, device.type)
         layers = [layer for layer in module.children() if _owns_parameters(layer)]
         for layer in layers:
@@ -103,6 +110,8 @@ class ShardedCell:
         self.units: list[FSDPModule] = [*layers, self.root]  # type: ignore[list-item]
         self.layers = list(module.children())
         for unit in self.units:
+            if guard is not None and device.type == "cpu":
+                guard_collectives(_state(unit)._fsdp_param_groups, guard, index)
             # The loss weights already make each replica's gradient its share of the whole
             # batch's: the replicas' gradients are summed, not averaged.
             unit.set_gradient_divide_factor(1.0)
@@ -223,11 +232,12 @@ _CELL_GROUPS: dict[tuple[tuple[int, ...], int, float], Any] = {}
 def _cell_group(ranks: tuple[int, ...], slot: int, timeout_s: float) -> Any:
     """A process group of `ranks` for this process's cell number `slot`: cells of one process
     run on their own workers at once, each on a group of its own. Its collectives wait no
-    longer than the pipe's timeout for a replica (FSDP's collectives are not the pipe's
-    guarded waits: a replica whose step failed is noticed then)."""
+    longer than the pipe's timeout for a replica (on the CPU the guard's wait ends them
+    sooner). One destroyed since (the job's process group was, after a failed step) is made
+    anew."""
     key = (ranks, slot, timeout_s)
     group = _CELL_GROUPS.get(key)
-    if group is None:
+    if group is None or group not in c10d._world.pg_map:
         group = _CELL_GROUPS[key] = dist.new_group(
             list(ranks), timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
         )
@@ -247,8 +257,10 @@ class Sharding:
         reshard_after_forward: bool,
         split: bool,
         timeout_s: float,
+        guard: Guard | None = None,
     ) -> None:
         ranks = tuple(dist.get_process_group_ranks(dp_group))
+        self.guard = guard
         self.cells: dict[int, ShardedCell] = {}
         local = [k for k, module in enumerate(modules) if module is not None]
         for slot, k in enumerate(local):
@@ -257,7 +269,7 @@ class Sharding:
             group = _cell_group(ranks, slot, timeout_s)
             self.cells[k] = ShardedCell(
                 k, module, group, devices[k], sync=sync,
-                reshard_after_forward=reshard_after_forward, split=split,
+                reshard_after_forward=reshard_after_forward, split=split, guard=guard,
             )  # fmt: skip
 
     def start_step(self) -> None:
@@ -270,7 +282,12 @@ class Sharding:
         for k, cell in self.cells.items():
             mine = torch.tensor([cell.digest()], dtype=torch.int64)
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size(cell.group))]
-            dist.all_gather(every, mine, group=cell.group)
+            request = dist.all_gather(every, mine, group=cell.group, async_op=True)
+            what = f"the order of cell {k}'s sharded tasks on its replicas"
+            if self.guard is not None:
+                self.guard.wait(request, what, group=cell.group)
+            else:
+                request.wait()
             if any(int(t) != int(mine) for t in every):
                 ranks = dist.get_process_group_ranks(cell.group)
                 raise RuntimeError(

@@ -37,8 +37,10 @@ SHARED_MEMORY = "shared memory"
 # The lane of the values every rank of the pipe agrees on at each step (the batch size from
 # cell 0's rank, the loss from the last cell's), when all its ranks share one host.
 CONTROL = 2
-# Their tags on that lane: one message of each per step, taken in the order sent.
-BATCH_TAG, LOSS_TAG = 0, 1
+# Their tags on that lane: one message of each per step, taken in the order sent (the items
+# of a loss that averages over counted ones, from cell 0's rank, in the steps that count them;
+# the input's signature only for pipes that tune themselves: see ProcessGroups.signature).
+BATCH_TAG, LOSS_TAG, ITEMS_TAG, SIGNATURE_TAG = 0, 1, 2, 3
 
 
 def lane(flow: Flow) -> int:

@@ -111,6 +111,17 @@ def plain_batch_norms(module: nn.Module) -> list[_BatchNorm]:
     ]
 
 
+def batch_statistics_layers(module: nn.Module) -> list[str]:
+    """The names of the BatchNorm layers in `module` that normalise by the batch's own
+    statistics as they are now (in training mode, or tracking none): what they compute for a
+    row depends on the other rows of its micro-batch."""
+    return [
+        name
+        for name, m in module.named_modules()
+        if isinstance(m, _BatchNorm) and (m.training or m.running_mean is None)
+    ]
+
+
 @contextmanager
 def frozen_running_stats(layers: list[_BatchNorm]) -> Iterator[None]:
     """Keeps plain BatchNorm running statistics unchanged through a recompute, which must not

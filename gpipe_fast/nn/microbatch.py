@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from gpipe_fast.nn.items import Counting, StepItems, count_items, step_items
 from gpipe_fast.nn.pytree import Tree, is_plain, leaf_names, tensors_of, with_tensors
 
 # The pipe's input (and target): a Tensor or a tuple of Tensors, split along dim 0. What
@@ -174,26 +175,42 @@ def scatter_target(target: Any, batch: int, chunks: int) -> list[Any]:
 class BatchShare:
     """What this process brings to a step: the input's tensors and micro-batches (empty
     without cell 0), the targets (None each without the last cell, or without a target),
-    and the batch sizes: this pipeline's, and the total over every replica."""
+    the batch sizes (this pipeline's, and the total over every replica) and, for a loss
+    that averages over counted items, the items (None: the loss weighs rows)."""
 
     given: tuple[Tensor, ...]
     microbatches: list[Value]
     targets: list[Any]
     batch: int
     total: int
+    items: StepItems | None = None
 
     @property
     def count(self) -> int:
         return len(self.targets)
 
 
-def whole_batch(input: Value | None, target: Any, chunks: int, *, needs_target: bool) -> BatchShare:
-    """A step's share in one process: the whole batch and, when `needs_target`, its target."""
+def whole_batch(
+    input: Value | None,
+    target: Any,
+    chunks: int,
+    *,
+    needs_target: bool,
+    counting: Counting | None = None,
+) -> BatchShare:
+    """A step's share in one process: the whole batch and, when `needs_target`, its target;
+    with `counting`, the items of each micro-batch."""
     given = as_tensors(input, "input")
     batch = batch_size(given, "input")
+    items = None
     with torch.no_grad():
         microbatches = scatter(given[0] if isinstance(input, Tensor) else given, chunks)
         targets = (
             scatter_target(target, batch, chunks) if needs_target else [None] * len(microbatches)
         )
-    return BatchShare(given, microbatches, targets, batch, batch)
+        if counting is not None and counting.count is not None:
+            counted = count_items(
+                counting.count, targets if counting.source == "target" else microbatches
+            )
+            items = step_items(counted, sum(counted), counting.given)
+    return BatchShare(given, microbatches, targets, batch, batch, items)

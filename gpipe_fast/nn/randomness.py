@@ -1,24 +1,32 @@
-"""Per-task random generators, so dropout masks replay exactly and never race between cells."""
+"""Per-task random streams, so dropout masks replay exactly and never race between cells."""
 
 from __future__ import annotations
 
-import functools
+import threading
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# PyTorch's default generators are global: cells running at once on worker threads would
-# interleave their draws, and a recompute could not replay them. Instead every random op of
-# a task gets a generator seeded from (step seed, cell, micro-batch), through a dispatch
-# mode, which is thread-local, so concurrent cells never share a stream of random numbers.
+# Each task (cell, micro-batch) of a step draws its random numbers from a stream of its own,
+# seeded from (step seed, cell, micro-batch), so that a recompute replays the forward's
+# draws whatever order the threads ran in. The stream is the process's own default
+# generators (the CPU's and the cell's GPU's), set to the task's seed for the task's duration
+# and put back after it, as torch.utils.checkpoint does around a recompute. So everything that
+# draws sees it: eager ops, fused GPU kernels that take no generator (dropout, attention with
+# dropout), compiled code (inductor draws its seeds from these generators), and a model's own
+# torch.utils.checkpoint, which saves and restores these generators' states around its
+# recompute. The generators are the process's, so one task at a time holds them: the cells
+# that draw random numbers take turns while they compute (`_HELD`); those that draw none run
+# freely. No dispatch mode is involved, which would make torch.compile fall back to eager.
+
+_HELD = threading.RLock()
 
 
 def may_draw_random(module: torch.nn.Module) -> bool:
     """Whether `module` might draw random numbers: it holds a random torch.nn layer (dropout,
     RReLU, attention with dropout) or any layer defined outside torch.nn, which could do
-    anything. Cells made only of other torch.nn layers never need the dispatch mode, whose
-    first use costs seconds (it imports torch._dynamo)."""
+    anything. Cells made only of other torch.nn layers never take the generators."""
     for layer in module.modules():
         if not type(layer).__module__.startswith("torch.nn."):
             return True
@@ -29,9 +37,17 @@ def may_draw_random(module: torch.nn.Module) -> bool:
     return False
 
 
-def task_seed(step_seed: int, cell: int, microbatch: int) -> int:
-    """A 63-bit seed for one (cell, micro-batch) of a step; deterministic across processes."""
-    return hash((step_seed, cell, microbatch)) & ((1 << 63) - 1)
+# The parts of a step that draw from a stream of their own (besides each cell's forward,
+# whose recompute draws the same): a cell's backward, a micro-batch's loss.
+BACKWARD, LOSS = 1, 2
+
+
+def task_seed(step_seed: int, cell: int, microbatch: int, part: int = 0) -> int:
+    """A 63-bit seed for one task of a step: a cell's forward (and its recompute, which must
+    draw the same), or another `part` of it (BACKWARD, LOSS). Deterministic across processes
+    and runs (a tuple of ints hashes the same everywhere, unlike a string)."""
+    key = (step_seed, cell, microbatch) + ((part,) if part else ())
+    return hash(key) & ((1 << 63) - 1)
 
 
 def draw_step_seed() -> int:
@@ -39,49 +55,79 @@ def draw_step_seed() -> int:
     return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-@functools.cache
-def _with_generator(op: Any) -> Any | None:
-    """The overload of `op` that takes a generator: itself, its generator twin, or None."""
-    if any(arg.name == "generator" for arg in op._schema.arguments):
-        return op
-    name = op._overloadname
-    twin = "generator" if name == "default" else f"{name}_generator"
-    overload = getattr(op.overloadpacket, twin, None)
-    if overload is not None and any(a.name == "generator" for a in overload._schema.arguments):
-        return overload
-    return None
+def default_generators(device: torch.device) -> list[torch.Generator]:
+    """The process's default generators a task on `device` draws from: the CPU's, and the
+    GPU's of a CUDA device."""
+    generators = [torch.default_generator]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generators.append(torch.cuda.default_generators[index])
+    return generators
 
 
-def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    device = kwargs.get("device")
-    if device is not None:
-        return torch.device(device)
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg.device
-    return torch.device("cpu")
+class TaskStream:
+    """The default generators of `device` (and the CPU's) set to `seed` while it is entered,
+    held by this thread alone, and put back afterwards. `drew` tells afterwards whether
+    anything drew from them, watched as `watch` says: "states" compares their states before
+    and after (free, but blind to a draw made from a state that was restored after it, as a
+    model's own checkpoint does in its recompute); "ops" watches every op for random ones
+    (a dispatch mode, which leaves compiled code compiled); None does not watch."""
 
+    __slots__ = ("_generators", "_mode", "_saved", "_seeded", "drew", "seed", "watch")
 
-class TaskRandomness(TorchDispatchMode):
-    """Routes every random op in its scope through generators seeded with `seed`.
-
-    `used` tells afterwards whether anything random ran, so that cells which draw nothing
-    can skip the mode (and its per-op cost) from then on.
-    """
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
+    def __init__(self, seed: int, device: torch.device, *, watch: str | None = None) -> None:
         self.seed = seed
-        self.used = False
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.watch = watch
+        self.drew = False
+        self._generators = default_generators(device)
+        self._saved: list[torch.Tensor] = []
+        self._seeded: list[torch.Tensor] = []
+        self._mode: DrawWatch | None = None
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed)
-            self._generators[device] = generator
-        return generator
+    def __enter__(self) -> TaskStream:
+        _HELD.acquire()
+        try:
+            self._saved = [g.get_state() for g in self._generators]
+            for generator in self._generators:
+                generator.manual_seed(self.seed)
+            if self.watch == "states":
+                self._seeded = [g.get_state() for g in self._generators]
+            elif self.watch == "ops":
+                self._mode = DrawWatch()
+                self._mode.__enter__()
+        except BaseException:
+            _HELD.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+                self.drew = self._mode.drew
+                self._mode = None
+            elif self.watch == "states":
+                self.drew = any(
+                    not torch.equal(g.get_state(), seeded)
+                    for g, seeded in zip(self._generators, self._seeded, strict=True)
+                )
+            for generator, state in zip(self._generators, self._saved, strict=True):
+                generator.set_state(state)
+        finally:
+            _HELD.release()
+
+
+class DrawWatch(TorchDispatchMode):
+    """Notes whether any random op ran in its scope (on this thread, and on autograd's device
+    threads working for it). It leaves compiled code compiled (ignore_compile_internals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(
         self,
@@ -90,10 +136,11 @@ class TaskRandomness(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = dict(kwargs or {})
-        target = _with_generator(func)
-        if target is None or kwargs.get("generator") is not None:
-            return func(*args, **kwargs)
-        self.used = True
-        kwargs["generator"] = self._generator(_device_of(args, kwargs))
-        return target(*args, **kwargs)
+        # A backward op replays the seed its forward saved (attention's, on a GPU): no draw.
+        if torch.Tag.nondeterministic_seeded in func.tags and not _is_backward(func):
+            self.drew = True
+        return func(*args, **(kwargs or {}))
+
+
+def _is_backward(func: Any) -> bool:
+    return str(func._opname).endswith("_backward")

@@ -5,7 +5,7 @@ A plan can then predict other schedules from the step as it really ran."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpipe_fast import _C
@@ -47,6 +47,12 @@ def measured_stage_costs(timelines: Sequence[Timeline], cells: int) -> list[Stag
     """Each stage's median task duration per action over the timelines' spans. A backward not
     split in halves stands for both (each half taken as half of it) and the other way round;
     a loss never recorded (pipe(x): the loss is the caller's) costs nothing."""
+    found = cell_costs(timelines, range(cells))
+    return [found[cell] for cell in range(cells)]
+
+
+def cell_costs(timelines: Sequence[Timeline], cells: Iterable[int]) -> dict[int, StageCosts]:
+    """measured_stage_costs of the given cells only (a rank's own, across processes)."""
 
     def median(cell: int, action: str) -> float | None:
         durations = [
@@ -54,8 +60,8 @@ def measured_stage_costs(timelines: Sequence[Timeline], cells: int) -> list[Stag
         ]
         return statistics.median(durations) if durations else None
 
-    costs = []
-    for cell in range(cells):
+    costs = {}
+    for cell in cells:
         forward = median(cell, "forward")
         if forward is None:
             raise ValueError(f"calibrate: no forward of cell {cell} in the timelines")
@@ -65,14 +71,12 @@ def measured_stage_costs(timelines: Sequence[Timeline], cells: int) -> list[Stag
             if halves[0] is None:
                 raise ValueError(f"calibrate: no backward of cell {cell} in the timelines")
             backward = halves[0] + (halves[1] or 0.0)
-        costs.append(
-            StageCosts(
-                forward=forward,
-                backward=backward,
-                backward_input=backward / 2 if halves[0] is None else halves[0],
-                backward_weight=backward / 2 if halves[1] is None else halves[1],
-                loss=median(cell, "loss") or 0.0,
-            )
+        costs[cell] = StageCosts(
+            forward=forward,
+            backward=backward,
+            backward_input=backward / 2 if halves[0] is None else halves[0],
+            backward_weight=backward / 2 if halves[1] is None else halves[1],
+            loss=median(cell, "loss") or 0.0,
         )
     return costs
 
@@ -85,12 +89,17 @@ def handoff_cost(timeline: Timeline, costs: Sequence[StageCosts]) -> float:
     schedule = _C.make_schedule(
         timeline.schedule, timeline.cells, timeline.rows, timeline.microbatches, checkpoint
     )
+    return solve_handoff(schedule, costs, timeline.makespan)
+
+
+def solve_handoff(schedule: _C.Schedule, costs: Sequence[StageCosts], target: float) -> float:
+    """The cost that, added to every task of `schedule` simulated with `costs`, makes it
+    last `target` seconds (0 when it lasts that long without)."""
     base = task_costs(schedule, costs, 0.0)
 
     def makespan(overhead: float) -> float:
         return _C.simulate(schedule, [c + overhead for c in base]).makespan
 
-    target = timeline.makespan
     low, high = 0.0, target / max(len(base), 1)
     if makespan(low) >= target:
         return 0.0  # the step ran no slower than its tasks: nothing to add

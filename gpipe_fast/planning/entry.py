@@ -11,9 +11,10 @@ from gpipe_fast.balancing.profile import STATISTICS, Device, Sample
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.planning.candidates import Choice
 from gpipe_fast.planning.memory import check_optimizer
-from gpipe_fast.planning.plan import PLAN_COSTS, Plan, calibrated_plan, evaluate
+from gpipe_fast.planning.plan import PLAN_COSTS, Plan, calibrated_plan, evaluate, fitted_plan
 from gpipe_fast.planning.planner import Planner
 from gpipe_fast.planning.search import choose
+from gpipe_fast.planning.tuning import Tuning
 from gpipe_fast.runtime.timeline import Timeline
 
 
@@ -38,7 +39,7 @@ def plan(
     warmup: int = 2,
     repeats: int = 5,
     param_scale: float = 2.0,
-    calibrate: Timeline | Sequence[Timeline] | None = None,
+    calibrate: Timeline | Sequence[Timeline] | Tuning | None = None,
     optimizer: str | float | None = None,
     dp: int = 1,
     dp_shard: bool | None = None,
@@ -82,7 +83,11 @@ def plan(
     cell's task costs are then the recorded tasks' medians, the overhead per task is what
     the recorded step spent between its tasks, solved through the simulator, and what a
     train_step call spent around its tasks is added once (`call_overhead`); nothing is
-    timed. It predicts another `schedule` from the step as it ran on this machine.
+    timed. It predicts another `schedule` from the step as it ran on this machine. Or
+    `calibrate=pipe.tuning` (a pipe's :class:`~gpipe_fast.Tuning`): the layers are timed as
+    without it, then scaled, and the hand-off per task and the call's own seconds taken, as
+    the steps the tuning measured fitted them (``tuning.fit``), for any balance, chunks,
+    checkpoint and schedule.
     """
     module = check_module(module)
     cells = check_count(partitions, "partitions", len(module))
@@ -97,6 +102,13 @@ def plan(
                       param_scale, check_optimizer(optimizer),
                       check_choice(statistic, "statistic", tuple(STATISTICS)),
                       choice.chunks or 1)  # fmt: skip
+    if isinstance(calibrate, Tuning):
+        fit = calibrate.fit
+        if fit is None:
+            raise ValueError("calibrate: this tuning measured nothing gf.plan could price")
+        if planner.cost != "time":
+            raise ValueError(f"calibrate: calibrating measures time, got cost={cost!r}")
+        return fitted_plan(planner, balance, choice.only(), fit.scale, fit.handoff, fit.call)
     if calibrate is not None:
         return calibrated_plan(planner, balance, choice, calibrate)
     if memory_per_device is None:

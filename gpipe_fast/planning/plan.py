@@ -181,6 +181,44 @@ def calibrated_plan(
                  threads=planner.threads(candidate.schedule), call=calibration.call)  # fmt: skip
 
 
+def fitted_plan(
+    planner: Planner,
+    balance: Sequence[int] | None,
+    candidate: Candidate,
+    scale: float,
+    handoff: float,
+    call: float,
+) -> Plan:
+    """The plan of a candidate with its profiled task costs times `scale`, `handoff` seconds
+    per task and `call` per step: gf.plan as the steps a tuning measured calibrated it."""
+    costs = planner.layer_costs(candidate.chunks, candidate.schedule)
+    chosen = list(balance) if balance is not None else partition(costs.total, planner.cells)
+    scaled = [
+        StageCosts(c.forward * scale, c.backward * scale, c.backward_input * scale,
+                   c.backward_weight * scale)
+        for c in costs.stages(chosen)
+    ]  # fmt: skip
+    return _plan(planner, chosen, candidate, planner.workers(candidate.schedule), scaled,
+                 handoff, [c * scale for c in costs.total],
+                 threads=planner.threads(candidate.schedule), call=call)  # fmt: skip
+
+
+def plan_with_costs(
+    planner: Planner,
+    balance: Sequence[int],
+    candidate: Candidate,
+    costs: Sequence[StageCosts],
+    overhead: float,
+    call: float,
+) -> Plan:
+    """The calibrated plan of `balance` with its cells' task costs as measured, `overhead`
+    seconds per task between them and `call` seconds per step around them."""
+    workers = planner.workers(candidate.schedule)
+    return _plan(planner, list(balance), candidate, workers, costs, overhead,
+                 _spread(costs, balance), threads=planner.threads(candidate.schedule),
+                 call=call)  # fmt: skip
+
+
 def _plan(
     planner: Planner,
     balance: list[int],

@@ -74,6 +74,7 @@ class Planner:
     optimizer: str | float | None
     statistic: str = "median"  # of the repeats: "median" or "mean" (see profile.STATISTICS)
     activation_chunks: int = 1  # the activations are profiled on one such micro-batch
+    copies: bool = True  # profile copies of the layers (False: the layers themselves)
     _outputs: list[int] | None = None
     _activations: ActivationProfile | None = None
     _params: ParamFacts | None = None
@@ -82,7 +83,8 @@ class Planner:
 
     def output_bytes(self) -> list[int]:
         if self._outputs is None:
-            self._outputs = layer_output_bytes(self.module, self.sample, device=self.device)
+            self._outputs = layer_output_bytes(self.module, self.sample, device=self.device,
+                                               copies=self.copies)  # fmt: skip
         return self._outputs
 
     def activations(self) -> ActivationProfile:
@@ -125,7 +127,8 @@ class Planner:
             with intra_op_threads(self.threads(schedule)):
                 profile = profile_layers(self.module, microbatch, device=self.device,
                                          warmup=self.warmup, repeats=self.repeats,
-                                         split=split, statistic=self.statistic)  # fmt: skip
+                                         split=split, statistic=self.statistic,
+                                         copies=self.copies)  # fmt: skip
             backward = profile.backward
             self._times[key] = LayerCosts(
                 profile.forward,

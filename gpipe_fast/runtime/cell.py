@@ -10,9 +10,11 @@ from torch import Tensor, nn
 
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.nn.batchnorm import frozen_running_stats, plain_batch_norms
+from gpipe_fast.nn.buffer_writes import BufferWrites, Snapshot
 from gpipe_fast.nn.checkpoint import pass_flags
+from gpipe_fast.nn.compiled import holds_compiled
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
-from gpipe_fast.nn.randomness import TaskRandomness, may_draw_random, task_seed
+from gpipe_fast.nn.randomness import BACKWARD, TaskStream, may_draw_random, task_seed
 from gpipe_fast.skip.cell_tracker import CellSkipTracker
 from gpipe_fast.skip.tracker import SkipKey, use_skip_tracker
 
@@ -80,19 +82,35 @@ class Cell:
         self.streams = streams
         self.threads = threads
         self.batch_norms = plain_batch_norms(module)
+        self.buffer_writes = BufferWrites(module, list(self.batch_norms))
         self.stream = streams.streams[index]  # None on a CPU cell
         self.prepared = False
-        # training mode -> whether the cell drew random numbers; absent means unknown.
-        self.random: dict[bool, bool] = {}
-        if not may_draw_random(module):
-            self.random = {True: False, False: False}
+        # The cell's modules, whose training flags make its mode: what a forward draws and
+        # writes depends on it, and the user may set it on the modules themselves
+        # (model.eval() reaches the layers, not the cell's own container).
+        self.modules = list(module.modules())
+        self.draws_nothing = not may_draw_random(module)
+        # mode -> whether the cell's forward drew random numbers; absent: unknown.
+        self.random: dict[tuple[bool, ...], bool] = {}
+        # Per backward action (backward, backward_input, backward_weight) and mode, whether
+        # it draws random numbers (a model's own checkpoint recomputing a forward that drew);
+        # absent: not seen yet. Each action apart: backward_input may have nothing to do on a
+        # stage whose input needs no gradient, where backward_weight recomputes.
+        self.backward_draws: dict[tuple[str, tuple[bool, ...]], bool] = {}
+        # Per layer, whether it holds compiled code, whose backward is one compiled function:
+        # a split backward runs it whole in backward_input.
+        self.whole_backward = [holds_compiled(layer) for layer in module]
 
     @property
     def learns(self) -> bool:
         return any(p.requires_grad for p in self.module.parameters())
 
+    def mode(self) -> tuple[bool, ...]:
+        """The training flag of each of the cell's modules."""
+        return tuple([m.training for m in self.modules])
+
     def may_draw_random(self) -> bool:
-        return self.random.get(self.module.training, True)
+        return not self.draws_nothing and self.random.get(self.mode(), True)
 
     def prepare_worker(self) -> None:
         """Per-worker settings, made once on the worker's own thread."""
@@ -114,21 +132,30 @@ class Cell:
         recomputing: bool = False,
         boundaries: list[Boundary] | None = None,
         skips: CellSkipTracker | None = None,
+        snapshots: list[Snapshot | None] | None = None,
     ) -> Tree:
         """The cell on one micro-batch under what its forward needs: its worker's settings,
-        its stream, the caller's autocast, the pass flags, the task's own random generators
+        its stream, the caller's autocast, the pass flags, the task's own random stream
         and (recomputing) frozen BatchNorm statistics. With `boundaries`, the layers run one
         by one with the graph cut between them, each layer's (input leaves, outputs) appended
         there, so that input and weight gradients can be computed apart (zero bubble). With
-        `skips`, the cell's skippable layers stash and pop through that tracker. The
-        common CPU case skips every part it does not need: this runs on every task."""
+        `skips`, the cell's skippable layers stash and pop through that tracker. With
+        `snapshots`, a checkpointed forward saves the buffers it writes in
+        `snapshots[microbatch]`, and its recompute runs from them. The common CPU case skips
+        every part it does not need: this runs on every task."""
         if not self.prepared:
             self.prepare_worker()
-        training = self.module.training
-        random = self.random.get(training, True)
+        # The mode matters only to a cell that may draw or write: () stands for it elsewhere.
+        mode = () if self.draws_nothing and not self.buffer_writes.holds else self.mode()
+        random = not self.draws_nothing and self.random.get(mode, True)
         batch_norms = self.batch_norms if recomputing else []
         flags = pass_flags(checkpointing=checkpointing, recomputing=recomputing)
-        if not (random or batch_norms or autocast.enabled or self.stream is not None):
+        writes = (
+            snapshots is not None
+            and (checkpointing or recomputing)
+            and self.buffer_writes.may_write(mode)
+        )
+        if not (random or batch_norms or writes or autocast.enabled or self.stream is not None):
             # The common CPU case, on every task: the flags and grad mode without contexts.
             previous = torch.is_grad_enabled()
             if previous != grad:
@@ -145,15 +172,46 @@ class Cell:
             stack.enter_context(flags)
             stack.enter_context(frozen_running_stats(batch_norms))
             stack.enter_context(torch.set_grad_enabled(grad))
-            randomness = None
-            if random:
-                randomness = stack.enter_context(
-                    TaskRandomness(task_seed(seed, self.index, microbatch))
-                )
+            if writes and snapshots is not None:
+                if checkpointing:
+                    snapshots[microbatch] = self.buffer_writes.save(mode)
+                else:  # recomputing: from the buffers as its forward found them
+                    stack.enter_context(self.buffer_writes.replaying(snapshots[microbatch]))
+                    snapshots[microbatch] = None
+            stream = None
+            if random:  # last: the generators are held for the forward alone
+                watch = None if mode in self.random else "states"
+                stream = TaskStream(task_seed(seed, self.index, microbatch), self.device,
+                                    watch=watch)  # fmt: skip
+                stack.enter_context(stream)
             output = self._forward(value, boundaries, skips)
-        if randomness is not None:
-            self.random[training] = randomness.used
+            if writes and checkpointing and snapshots is not None:
+                snapshots[microbatch] = self.buffer_writes.learn(snapshots[microbatch])
+        if stream is not None and stream.watch is not None:
+            self.random[mode] = stream.drew
         return output
+
+    def backward_stream(self, seed: int, microbatch: int, action: str) -> TaskStream | None:
+        """The random stream a backward task (of `action`) of the cell runs in (None: none
+        needed): a backward that recomputes a forward that drew (a model's own checkpoint
+        inside the cell) must hold the generators, whose states that checkpoint restores to
+        replay its forward's draws. Whether it does is watched on the action's first task,
+        until one draws or does the work."""
+        if self.draws_nothing:
+            return None
+        mode = self.mode()
+        drew = self.backward_draws.get((action, mode))
+        if drew is False or not self.random.get(mode, True):
+            return None
+        watch = "ops" if drew is None else None
+        return TaskStream(task_seed(seed, self.index, microbatch, BACKWARD), self.device,
+                          watch=watch)  # fmt: skip
+
+    def backward_seen(self, stream: TaskStream | None, action: str, *, ran: bool) -> None:
+        """Records what a watched backward task found; one that `ran` no backward (nothing
+        to do) tells nothing, and the next is watched."""
+        if stream is not None and stream.watch is not None and (ran or stream.drew):
+            self.backward_draws[(action, self.mode())] = stream.drew
 
     def _forward(
         self, value: Tree, boundaries: list[Boundary] | None, skips: CellSkipTracker | None

@@ -59,6 +59,9 @@ class StepContext:
         self.checkpointed = checkpointed
         self.track = track
         self.split = split
+        # Whether any cell may draw random numbers: then each task draws from its own
+        # stream, seeded from the step's seed.
+        self.random = random
         self.seed = draw_step_seed() if random else 0
         self.autocast = AutocastState.capture()
         self.transport = transport

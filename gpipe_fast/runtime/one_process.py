@@ -10,6 +10,7 @@ from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.transports.registry import IN_PROCESS, PipeMedia
+from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.transport.local import LocalTransport
@@ -34,9 +35,15 @@ class OneProcess:
         return LocalTransport(streams, devices)
 
     def share(
-        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+        self,
+        input: Value | None,
+        target: Any,
+        chunks: int,
+        *,
+        needs_target: bool,
+        counting: Counting | None = None,
     ) -> BatchShare:
-        return whole_batch(input, target, chunks, needs_target=needs_target)
+        return whole_batch(input, target, chunks, needs_target=needs_target, counting=counting)
 
     def run(self, run: Callable[[], T], *, backward: bool) -> T:
         return run()

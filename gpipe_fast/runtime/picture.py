@@ -53,6 +53,8 @@ class PictureTimeline(Protocol):
     def gap_s(self) -> float: ...
     @property
     def ideal_bubble(self) -> float: ...
+    @property
+    def whole_backward(self) -> tuple[int, ...]: ...
     def phase_window(self, phase: Literal["forward"]) -> tuple[float, float]: ...
     def row_name(self, worker: int) -> str: ...
     def compute_rows(self) -> list[int]: ...
@@ -126,8 +128,19 @@ def hover(timeline: PictureTimeline, span: PictureSpan) -> str:
     return (
         f"{label(span)}: {what} of cell {span.cell}, micro-batch {span.microbatch}; "
         f"{span.duration_s * 1e3:.3f} ms ({span.start_s * 1e3:.3f} to {span.end_s * 1e3:.3f} ms) "
-        f"on {timeline.row_name(span.row)}"
+        f"on {timeline.row_name(span.row)}{_split_note(timeline, span)}"
     )
+
+
+def _split_note(timeline: PictureTimeline, span: PictureSpan) -> str:
+    """Where a split backward's weight gradients of compiled layers went."""
+    if span.cell not in timeline.whole_backward:
+        return ""
+    if span.kind == "backward_input":
+        return "; the compiled layers' weight gradients too (one compiled backward each)"
+    if span.kind == "backward_weight":
+        return "; the other layers' only (the compiled ones' came with backward_input)"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
-from gpipe_fast.nn.randomness import TaskRandomness
+from gpipe_fast.nn.randomness import DrawWatch
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.runtime.cell import Cell
 from gpipe_fast.runtime.context import StageServices
@@ -46,11 +46,11 @@ def _preload_lazy_imports(random_cells: bool) -> None:
     first step's tasks (where they would delay Ctrl-C and count against step_timeout):
     torch.autograd.backward with explicit gradients imports sympy on its first call (~1 s),
     and the first dispatch mode imports torch._dynamo (~2 s; only for cells that may draw
-    random numbers, which run under one)."""
+    random numbers, whose first backward is watched by one)."""
     import torch.fx.experimental.symbolic_shapes
 
     if random_cells:
-        with TaskRandomness(0):
+        with DrawWatch():
             torch.empty(0)
 
 
@@ -162,6 +162,7 @@ class Pipeline:
             self.devices,
             after_backward=self.side.after_backward,
             deferred_batch_norms=deferred_batch_norms,
+            on_interrupt=self.cross.interrupt if self.cross is not None else None,
         )
         _preload_lazy_imports(random_cells=self.may_draw_random())
         # Keeps the phony leaf alive: every output of pipe(x) hangs off it.
@@ -238,6 +239,19 @@ class Pipeline:
 
     def may_draw_random(self) -> bool:
         return any(cell.may_draw_random() for cell in self.local_cells)
+
+    def whole_backward_cells(self) -> list[int]:
+        """The local cells whose split backward runs their compiled layers' backward whole
+        in backward_input (none unless the kind splits the backward; sharded cells split
+        theirs as ever)."""
+        if not self.split_backward:
+            return []
+        sharded = self.sharding.cells if self.sharding is not None else {}
+        return [
+            cell.index
+            for cell in self.local_cells
+            if any(cell.whole_backward) and cell.index not in sharded
+        ]
 
     def set_recording(self, on: bool) -> None:
         """Records the task spans of the next steps (on) or stops and forgets them (off)."""

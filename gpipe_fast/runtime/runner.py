@@ -35,7 +35,7 @@ class Runner:
     """Runs steps' schedules on `executor`, one run at a time, and records their task spans
     while `recording` is on. `after_backward` is what a backward leaves to do once every
     cell's is done (tied gradients); `deferred_batch_norms` are committed after a run that
-    succeeds and discarded after one that fails."""
+    succeeds and discarded after one that fails; `on_interrupt` is told of Ctrl-C."""
 
     def __init__(
         self,
@@ -46,8 +46,12 @@ class Runner:
         *,
         after_backward: Callable[[], None] = lambda: None,
         deferred_batch_norms: Sequence[DeferredBatchNorm] = (),
+        on_interrupt: Callable[[], None] | None = None,
     ) -> None:
         self.executor = executor
+        # Called when Ctrl-C stops a run, while its tasks still run (across processes: every
+        # rank is told, and the tasks' waits on other ranks end).
+        self.on_interrupt = on_interrupt
         self.schedules = schedules
         self.streams = streams
         self.devices = list(devices)
@@ -86,7 +90,7 @@ class Runner:
     def _run(self, schedule: Any, step: Step) -> None:
         own = None
         try:
-            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0)
+            self.executor.run(schedule, step.run_task, self.step_timeout or 0.0, self.on_interrupt)
         except PeerFailure:
             # A wait that ended because a task of this rank failed (its rings closed, its
             # failure in the store) may reach the executor before that task's own error

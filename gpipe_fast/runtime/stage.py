@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gpipe_fast.nn.buffer_writes import Snapshot
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
+from gpipe_fast.nn.randomness import LOSS, TaskStream, task_seed
 from gpipe_fast.runtime.cell import Boundary, Cell
 from gpipe_fast.runtime.context import StepContext
 from gpipe_fast.skip.cell_tracker import CellSkipTracker
@@ -71,6 +73,24 @@ def _with_graph(roots: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor],
     return [r for r, _ in pairs], [g for _, g in pairs]
 
 
+def _whole_backward(
+    roots: list[Tensor],
+    grads: list[Tensor],
+    inputs: tuple[Tensor, ...],
+    wanted: list[Tensor],
+    params: list[Tensor],
+) -> tuple[Tensor | None, ...]:
+    """One layer's whole backward: its weights' gradients accumulated, its inputs' returned
+    (per input, None where it needs none)."""
+    if not roots:
+        return (None,) * len(inputs)
+    torch.autograd.backward(roots, grads, inputs=[*wanted, *params])
+    found = tuple(t.grad if t.requires_grad else None for t in inputs)
+    for tensor in wanted:  # the layer's input leaves: their gradient goes on, not kept
+        tensor.grad = None
+    return found
+
+
 def _scalar_loss(value: object) -> Tensor:
     """What loss_fn returned, which must be the scalar loss of its micro-batch."""
     if not isinstance(value, Tensor) or value.dim() != 0:
@@ -82,6 +102,9 @@ def _scalar_loss(value: object) -> Tensor:
 
 
 def _weighted(loss: Tensor, weight: float) -> Tensor:
+    """The loss times its weight; a weight of 0 (no counted item) gives 0, not 0 * NaN."""
+    if weight == 0.0:
+        return torch.zeros_like(loss)
     return loss * weight if weight != 1.0 else loss
 
 
@@ -100,6 +123,8 @@ class Stage:
         self.inputs: list[Tree] = [None] * count  # stashed for recompute and backward
         self.outputs: list[Tree] = [None] * count  # with their graphs, until backward
         self.boundaries: list[list[Boundary] | None] = [None] * count  # split backward only
+        # Per checkpointed micro-batch, the buffers its forward wrote, as they were before it.
+        self.snapshots: list[Snapshot | None] = [None] * count
         # Split backward: per micro-batch, the (outputs, gradients) of each learning layer,
         # left by backward_input for backward_weight.
         self.weight_roots: list[list[tuple[list[Tensor], list[Tensor]]] | None] = [None] * count
@@ -136,6 +161,7 @@ class Stage:
         self.inputs = [None] * count
         self.outputs = [None] * count
         self.boundaries = [None] * count
+        self.snapshots = [None] * count
         self.weight_roots = [None] * count
         self.skips_in = [None] * count
         self.skips_out = [None] * count
@@ -241,7 +267,7 @@ class Stage:
             self.outputs[m] = None  # no graph: the recompute rebuilds it
         target = context.target(self.index, m)
         with ExitStack() as stack:
-            self._enter_loss_context(stack)
+            self._enter_loss_context(stack, m)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
             value = _scalar_loss(context.loss_fn(with_tensors(output, leaves), target))
@@ -249,7 +275,11 @@ class Stage:
             weight = context.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
             grads: tuple[Any, ...] = (None,) * len(leaves)
-            if value.requires_grad and wanted:
+            if value.requires_grad and wanted and weight == 0.0:
+                # A micro-batch that weighs nothing (no counted item: its mean is 0/0, whose
+                # backward would be NaN): zero gradients, without running the loss's backward.
+                grads = tuple(torch.zeros_like(t) if t.requires_grad else None for t in leaves)
+            elif value.requires_grad and wanted:
                 seed = torch.full_like(value, weight)
                 # A grad_scaler's scale: the loss returned stays unscaled.
                 if context.loss_scale is not None:
@@ -266,17 +296,22 @@ class Stage:
         self.outputs[m] = None
         target = context.target(self.index, m)
         with ExitStack() as stack:
-            self._enter_loss_context(stack)
+            self._enter_loss_context(stack, m)
             stack.enter_context(torch.no_grad())
             value = _scalar_loss(context.loss_fn(output, target))
         context.losses[m] = _weighted(value, context.loss_weights[m])
 
-    def _enter_loss_context(self, stack: ExitStack) -> None:
-        """What loss_fn runs under: the stage's stream and the caller's autocast."""
+    def _enter_loss_context(self, stack: ExitStack, m: int) -> None:
+        """What loss_fn runs under: the stage's stream, the caller's autocast and, in a step
+        whose cells may draw random numbers, a random stream of its own (the generators
+        are then the tasks', one at a time)."""
         if self.cell.stream is not None:
             stack.enter_context(self.cell.streams.on(self.index))
         if self.context.autocast.enabled:
             self.context.autocast.enter(stack)
+        if self.context.random:
+            seed = task_seed(self.context.seed, self.index, m, LOSS)
+            stack.enter_context(TaskStream(seed, self.cell.device))
 
     def backward(self, m: int) -> None:
         grads = self._receive_gradient(m)
@@ -295,11 +330,14 @@ class Stage:
                     roots.append(tensor)
                     root_grads.append(grad)
         if roots:
-            if self.cell.stream is None and torch.is_grad_enabled():
+            stream = self.cell.backward_stream(self.context.seed, m, "backward")
+            if stream is None and self.cell.stream is None and torch.is_grad_enabled():
                 run_backward(roots, root_grads)  # the common CPU case: no context to enter
             else:
                 with self.cell.streams.on(self.index), torch.enable_grad():
-                    run_backward(roots, root_grads)
+                    with stream if stream is not None else nullcontext():
+                        run_backward(roots, root_grads)
+                self.cell.backward_seen(stream, "backward", ran=True)
         inputs = tensors_of(self.inputs[m])
         if self.receives:
             received = self.skips_in[m] or {}
@@ -308,19 +346,29 @@ class Stage:
 
     def backward_input(self, m: int) -> None:
         """The gradient of the stage's input only, layer by layer; each learning layer's
-        output gradient is kept for backward_weight."""
+        output gradient is kept for backward_weight. A compiled layer's backward is one
+        compiled function, which computes the gradients of its inputs and weights together:
+        its weights' gradients are accumulated here, in the same call (backward_weight would
+        run that whole backward again)."""
         grads: tuple[Any, ...] = self._receive_gradient(m)
         boundaries = self.boundaries[m]
         assert boundaries is not None, "backward_input needs the split forward's boundaries"
         self.boundaries[m] = None
         learning = self._layer_parameters()
+        whole = self.cell.whole_backward if self.sharded is None else None
         weight_roots = []
         # Skip gradients by key: those of this stage's stashes (from the stages that popped
         # them), then those of pops inside the stage, found layer by layer going back.
         skip_grads: dict[SkipKey, Any] = {
             key: self._recv_skip(GRADIENT, m, key) for key, _ in self.sends
         }
-        with self.cell.streams.on(self.index), torch.enable_grad():
+        stream = self.cell.backward_stream(self.context.seed, m, "backward_input")
+        ran = False
+        with ExitStack() as stack:
+            stack.enter_context(self.cell.streams.on(self.index))
+            stack.enter_context(torch.enable_grad())
+            if stream is not None:
+                stack.enter_context(stream)
             for i in reversed(range(len(boundaries))):
                 inputs, outputs, popped, stashed = boundaries[i]
                 if stashed:
@@ -331,20 +379,25 @@ class Stage:
                     if g is not None and o.requires_grad
                 ]
                 roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]
-                if roots and learning[i]:
-                    with_graph = _with_graph(roots, root_grads)
-                    if with_graph[0]:
-                        weight_roots.append(with_graph)
                 wanted = [t for t in inputs if t.requires_grad]
-                if roots and wanted:
-                    got = run_grad(roots, root_grads, wanted, bool(learning[i]))
-                    grads = _aligned(inputs, wanted, got)
+                ran = ran or bool(roots and (wanted or learning[i]))
+                if whole is not None and whole[i] and learning[i]:
+                    grads = _whole_backward(roots, root_grads, inputs, wanted, learning[i])
                 else:
-                    grads = (None,) * len(inputs)
+                    if roots and learning[i]:
+                        with_graph = _with_graph(roots, root_grads)
+                        if with_graph[0]:
+                            weight_roots.append(with_graph)
+                    if roots and wanted:
+                        got = run_grad(roots, root_grads, wanted, bool(learning[i]))
+                        grads = _aligned(inputs, wanted, got)
+                    else:
+                        grads = (None,) * len(inputs)
                 if popped:
                     first = len(inputs) - len(popped)
                     skip_grads.update(zip(popped, grads[first:], strict=True))
                     grads = grads[:first]
+        self.cell.backward_seen(stream, "backward_input", ran=ran)
         self.weight_roots[m] = weight_roots
         if self.receives:
             self._send_skip_grads(m, {key: skip_grads.get(key) for key, _ in self.receives})
@@ -359,8 +412,11 @@ class Stage:
         roots = [root for roots, _ in pending for root in roots]
         grads = [grad for _, grads in pending for grad in grads]
         params = {id(p): p for layer in self._layer_parameters() for p in layer}
+        stream = self.cell.backward_stream(self.context.seed, m, "backward_weight")
         with self.cell.streams.on(self.index), torch.enable_grad():
-            torch.autograd.backward(roots, grads, inputs=list(params.values()))
+            with stream if stream is not None else nullcontext():
+                torch.autograd.backward(roots, grads, inputs=list(params.values()))
+        self.cell.backward_seen(stream, "backward_weight", ran=True)
 
     # -- communication: run on the process's communication worker --------------------------
 
@@ -406,7 +462,12 @@ class Stage:
     def _run(self, value: Tree, m: int, **kwargs: Any) -> Tree:
         context = self.context
         return self.cell.run(
-            value, seed=context.seed, microbatch=m, autocast=context.autocast, **kwargs
+            value,
+            seed=context.seed,
+            microbatch=m,
+            autocast=context.autocast,
+            snapshots=self.snapshots,
+            **kwargs,
         )
 
     def _receive_gradient(self, m: int) -> tuple[Any, ...]:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.arguments import check_loss_arguments
+from gpipe_fast.nn.items import item_weights
 from gpipe_fast.nn.microbatch import Value, gather, loss_weights
 from gpipe_fast.runtime.step import Step
 from gpipe_fast.runtime.step_request import StepRequest
@@ -36,7 +37,14 @@ def run_step(pipeline: Pipeline, request: StepRequest, input: Value | None, targ
         check_loss_arguments(request.loss_fn, request.reduction)
     side = pipeline.side
     needs_target = request.has_loss and pipeline.needs_target(target)
-    share = side.share(input, target, request.chunks, needs_target=needs_target)
+    counting = request.counting if request.has_loss else None
+    share = side.share(input, target, request.chunks, needs_target=needs_target, counting=counting)
+    items = share.items
+    if counting is not None and counting.given is not None and items is None:
+        raise ValueError(
+            "num_items_in_batch: it divides a loss that averages over counted items, but "
+            "the inputs hold no labels to count"
+        )
     train = request.program == "train"
     if train:
         schedule, flags = pipeline.schedules.train_step(share.count, request.checkpoint)
@@ -50,8 +58,13 @@ def run_step(pipeline: Pipeline, request: StepRequest, input: Value | None, targ
         never = [[False] * share.count for _ in pipeline.cells]
         nothing = [False] * len(share.given)
         step = Step(pipeline, share.microbatches, nothing, never, False, count=share.count)
+    # A model that divides its own loss by the items (num_items_in_batch) is told them.
+    tell = counting.tell if counting is not None and items is not None else None
     if loss_fn is not None:
-        weights = loss_weights(share.batch, share.total, request.chunks, request.reduction)
+        if items is not None:
+            weights = item_weights(items, divided=tell is not None)
+        else:
+            weights = loss_weights(share.batch, share.total, request.chunks, request.reduction)
         step.context.set_loss(loss_fn, share.targets, weights, request.loss_scale)
     runner = pipeline.runner
     tied = pipeline.tied
@@ -63,9 +76,20 @@ def run_step(pipeline: Pipeline, request: StepRequest, input: Value | None, targ
         step.context.transport.finish()
         if train:
             side.after_backward()
+        if local is not None and items is not None and items.total == 0:
+            # The mean over no item at all is undefined, as the plain model's 0/0 says (its
+            # gradients stay zero here too: no micro-batch weighs anything).
+            local = torch.full_like(local, float("nan"))
         return local  # type: ignore[no-any-return]
 
-    local = side.run(this_process, backward=train)
+    if tell is not None:
+        assert items is not None
+        tell(max(items.total, 1))  # without any item, no micro-batch's loss is used
+    try:
+        local = side.run(this_process, backward=train)
+    finally:
+        if tell is not None:
+            tell(None)
     if loss_fn is None:
         last = step.stages[-1]
         return None if last is None else gather(last.outputs)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.transports.registry import PipeMedia
+from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value
 from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.transport.protocol import Transport
@@ -26,8 +27,9 @@ PROGRAMS = ("train", "evaluate", "forward")
 class StepRequest:
     """One step as data: its program (one of PROGRAMS), the micro-batches its batch is
     split into, its checkpointing (a training step's) and its loss (none for "forward"):
-    `reduction` weighs the micro-batches' losses and `loss_scale` (a GradScaler's) scales
-    their gradients."""
+    `reduction` weighs the micro-batches' losses by their rows ("mean") or adds them up
+    ("sum"), unless `counting` says how to count the items they average over (then each
+    weighs its items' share), and `loss_scale` (a GradScaler's) scales their gradients."""
 
     program: str
     chunks: int
@@ -35,6 +37,7 @@ class StepRequest:
     loss_fn: LossFn | None = None
     reduction: str = "mean"
     loss_scale: Tensor | None = None
+    counting: Counting | None = None
 
     def __post_init__(self) -> None:
         if self.program not in PROGRAMS:
@@ -58,9 +61,15 @@ class StepSide(Protocol):
         """A step's transport between the cells."""
 
     def share(
-        self, input: Value | None, target: Any, chunks: int, *, needs_target: bool
+        self,
+        input: Value | None,
+        target: Any,
+        chunks: int,
+        *,
+        needs_target: bool,
+        counting: Counting | None = None,
     ) -> BatchShare:
-        """This process's share of the step's batch."""
+        """This process's share of the step's batch (with `counting`, and its items)."""
 
     def run(self, run: Callable[[], T], *, backward: bool) -> T:
         """Runs this process's part of the step (`run`), with what it needs around it."""

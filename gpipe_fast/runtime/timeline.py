@@ -98,7 +98,11 @@ class Timeline:
     empty when unknown. ``schedule`` is the kind of the train_step's schedule ("gpipe" for
     pipe(x) and its backward). ``call_s`` is how long the ``train_step`` call took, from
     entry to return (its tasks and the work around them: splitting the batch, the loss);
-    0 for ``pipe(x)`` and its backward.
+    0 for ``pipe(x)`` and its backward. ``whole_backward`` names the cells (of this process)
+    whose split backward (zero_bubble, zbv) computes the weight gradients of their compiled
+    layers in ``backward_input``: a compiled layer's backward is one compiled function,
+    which computes the input and weight gradients together, so ``backward_weight`` computes
+    only the other layers' (nothing, when all are compiled).
     """
 
     cells: int
@@ -111,6 +115,7 @@ class Timeline:
     # compute and communication workers of a multi-process step).
     row_names: tuple[str, ...] = ()
     call_s: float = 0.0
+    whole_backward: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -124,10 +129,11 @@ class Timeline:
         clocks: Sequence[str] = (),
         schedule: str = "gpipe",
         call_s: float = 0.0,
+        whole_backward: Sequence[int] = (),
     ) -> Timeline:
         """Builds the timeline from executor runs: (phase, schedule, ``last_spans()``), and
-        optionally the executor's ``worker_clocks()``, the train_step's schedule kind and
-        its call's duration."""
+        optionally the executor's ``worker_clocks()``, the train_step's schedule kind, its
+        call's duration and the cells whose split backward runs compiled layers whole."""
         if not runs:
             raise ValueError("a timeline needs at least one run")
         first = runs[0][1]
@@ -161,6 +167,7 @@ class Timeline:
             workers=first.workers,
             schedule=schedule,
             call_s=call_s,
+            whole_backward=tuple(whole_backward),
         )
 
     # -- measures ----------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""One candidate measured on the real job: a few steps on every rank at once, each recorded.
+
+The step time is the slowest rank's median; the recorded steps give every cell's median task
+costs (gathered from the ranks that run them), gf.plan's calibration."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpipe_fast import _C
+from gpipe_fast.api.auto import Config
+from gpipe_fast.planning.agree import Agreement
+from gpipe_fast.planning.calibrate import cell_costs, solve_handoff
+from gpipe_fast.planning.predict import StageCosts
+
+# Steps run before the timed ones (the first builds schedules and warms caches), and timed
+# (each recorded: its tasks' spans calibrate gf.plan).
+WARMUP_STEPS = 1
+TIMED_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A candidate as it ran: the median step of the slowest rank, each cell's median task
+    costs over the recorded steps, and their median makespan (the slowest rank's)."""
+
+    seconds: float
+    costs: list[StageCosts]
+    makespan: float
+
+    def handoff(self, config: Config, workers: int, *, with_loss: bool = True) -> float:
+        """The runtime's seconds per task that make the recorded steps as long as they were
+        (`with_loss` False: the loss left out of the costs, as gf.plan's profile has none)."""
+        cut = config.cut
+        schedule = _C.make_schedule(cut.schedule, len(cut.balance), workers,
+                                    config.chunks, config.checkpoint)  # fmt: skip
+        costs = self.costs
+        if not with_loss:
+            costs = [StageCosts(c.forward, c.backward, c.backward_input, c.backward_weight)
+                     for c in costs]  # fmt: skip
+        return solve_handoff(schedule, costs, self.makespan)
+
+    @property
+    def call(self) -> float:
+        """Seconds of a step outside the recorded tasks (splitting, the loss's agreement)."""
+        return max(0.0, self.seconds - self.makespan)
+
+
+def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Agreement,
+            ) -> Measurement:  # fmt: skip
+    """Runs `step(pipe)` with `config`'s micro-batches and checkpointing: WARMUP_STEPS
+    steps, then TIMED_STEPS timed and recorded. Every rank calls it at once. Gradients are
+    set to None before each step (as ``optimizer.zero_grad()`` leaves them)."""
+    warmup, steps = WARMUP_STEPS, TIMED_STEPS
+    pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
+    params = list(pipe.parameters())
+    times, timelines = [], []
+    try:
+        for index in range(warmup + steps):
+            for param in params:
+                param.grad = None
+            if index == warmup:
+                pipe.record_timeline()
+            start = time.perf_counter()
+            step(pipe)
+            _synchronize(pipe.devices)
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+                timelines.append(pipe.timeline())
+    finally:
+        pipe.record_timeline(False)
+        for param in params:
+            param.grad = None
+    local = cell_costs(timelines, pipe.layout.local_stages)
+    found: dict[int, StageCosts] = {}
+    for part in agreement.gathered(local):
+        found.update(part)
+    return Measurement(
+        seconds=agreement.slowest(statistics.median(times)),
+        costs=[found[cell] for cell in range(len(config.cut.balance))],
+        makespan=agreement.slowest(statistics.median(t.makespan for t in timelines)),
+    )
+
+
+def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable[[Any], Any],
+                 agreement: Agreement, rounds: int) -> list[float]:  # fmt: skip
+    """Each config's median step (the slowest rank's) over `rounds` rounds of one step each,
+    in turn (the order rotated each round), on its pipe (`pipes[i]`, already warm)."""
+    times: list[list[float]] = [[] for _ in configs]
+    for index in range(rounds):
+        shift = index % len(configs)
+        for which in [*range(shift, len(configs)), *range(shift)]:
+            pipe, config = pipes[which], configs[which]
+            pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
+            for param in pipe.parameters():
+                param.grad = None
+            start = time.perf_counter()
+            step(pipe)
+            _synchronize(pipe.devices)
+            times[which].append(time.perf_counter() - start)
+    for pipe in pipes:
+        for param in pipe.parameters():
+            param.grad = None
+    return [agreement.slowest(statistics.median(series)) for series in times]
+
+
+def _synchronize(devices: Sequence[torch.device]) -> None:
+    for device in set(devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

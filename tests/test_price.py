@@ -1,0 +1,68 @@
+"""planning/price.py: the candidates' space, and gf.plan's fit to measured steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gpipe_fast as gf
+from gpipe_fast.api.auto import Config, Cut, Tuned
+from gpipe_fast.planning import price
+from gpipe_fast.planning.predict import StageCosts
+from gpipe_fast.planning.tuning import Fit
+
+
+@pytest.fixture
+def pipe() -> Iterator[Any]:
+    torch.manual_seed(0)
+    module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    built = gf.GPipe(module, devices=["cpu", "cpu"], schedule="auto", chunks="auto",
+                     checkpoint="auto")  # fmt: skip
+    yield built
+    built.close()
+
+
+def test_the_first_tuning_tries_every_kind_chunks_and_mode(pipe: Any) -> None:
+    tuned = Tuned(True, True, True, cut=True)
+    found = price.space(pipe, pipe._auto.builder, tuned, first=True, moves=False, batch=256,
+                        layers=8)  # fmt: skip
+    assert {kind for kind, _ in found.kinds} == set(gf.schedules())
+    cells = dict(found.kinds)
+    assert cells["1f1b"] == 2 and cells["interleaved"] == 4 and cells["zbv"] == 4
+    assert found.free_cut
+    assert found.chunks == [1, 2, 4, 8, 16, 32, 64]  # up to MOST_CHUNKS
+    assert found.checkpoints == ["never", "except_last", "always"]
+
+
+def test_later_tunings_keep_the_cut(pipe: Any) -> None:
+    tuned = Tuned(True, True, False, cut=True)
+    found = price.space(pipe, pipe._auto.builder, tuned, first=False, moves=False, batch=6,
+                        layers=8)  # fmt: skip
+    assert found.kinds == [(pipe.schedule, 2)] and not found.free_cut
+    assert found.chunks == [1, 2, 3, 4, 6] and found.checkpoints == [pipe.checkpoint]
+
+
+def test_the_fit_takes_medians() -> None:
+    profiled = [StageCosts(1.0, 2.0), StageCosts(1.0, 2.0)]
+    samples = [
+        (profiled, [StageCosts(2.0, 4.0), StageCosts(2.0, 4.0)], 0.1, 0.01),
+        (profiled, [StageCosts(3.0, 6.0), StageCosts(3.0, 6.0)], 0.3, 0.03),
+        (profiled, [StageCosts(1.5, 3.0), StageCosts(1.5, 3.0)], 0.2, 0.02),
+    ]
+    fit = price.fitted(samples)
+    assert (fit.scale, fit.handoff, fit.call) == (2.0, 0.2, 0.02)
+
+
+def test_a_calibrated_prediction_scales_the_profile(pipe: Any) -> None:
+    sample = torch.randn(8, 4)
+    pricing = price.Pricing(pipe, pipe._auto.builder, sample, 2)
+    config = Config(Cut("gpipe", (4, 4)), 2, "never")
+    base = pricing.calibrated(config, Fit(1.0, 0.0, 0.0))
+    assert pricing.calibrated(config, Fit(2.0, 0.0, 0.0)) == pytest.approx(2 * base)
+    assert pricing.calibrated(config, Fit(1.0, 0.0, 0.5)) == pytest.approx(base + 0.5)
+    # 2 cells x 2 micro-batches x (forward + backward): a hand-off on each task's path
+    assert pricing.calibrated(config, Fit(1.0, 1.0, 0.0)) > base + 4
