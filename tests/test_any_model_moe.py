@@ -64,7 +64,10 @@ def test_the_auxiliary_router_loss_is_exact(points: list[str]) -> None:
     pipe = gf.pipeline(model, {k: v[:2] for k, v in batch.items()}, points,
                        devices=["cpu", "cpu"], chunks=4)  # fmt: skip
     try:
-        loss = pipe.train_step(batch, None, lambda out, _: out.loss)
+        # reduction="mean": each micro-batch's loss (its tokens' mean plus its auxiliary
+        # loss) weighted by its rows, as the reference below (the model's own loss counting,
+        # the default, is tests/test_model_items.py's).
+        loss = pipe.train_step(batch, None, lambda out, _: out.loss, reduction="mean")
         want = _per_micro_batch(plain, batch, 4)
         # transformers computes the loss in float32 whatever the model's dtype; the gradients
         # are float64, and exact.
@@ -84,7 +87,7 @@ def test_the_default_experts_kernel_is_planned_in_float32() -> None:
     pipe = gf.pipeline(model, {k: v[:2] for k, v in batch.items()}, ["model.layers.2"],
                        devices=["cpu", "cpu"], chunks=4)  # fmt: skip
     try:
-        loss = pipe.train_step(batch, None, lambda out, _: out.loss)
+        loss = pipe.train_step(batch, None, lambda out, _: out.loss, reduction="mean")
         assert loss.item() == pytest.approx(_per_micro_batch(plain, batch, 4), rel=1e-5)
         assert _worst(pipe, plain) < 1e-4  # float32 rounding
     finally:
