@@ -30,7 +30,8 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("capture",),
-        "any model cut into stages, untraced: its forward's module calls found, planned and split",
+        "any model cut into stages, untraced: its forward's module calls found, planned and "
+        "split, every value that crosses stages keyed by what makes it and checked as it is put",
     ),
     Layer(
         ("schedule",),

@@ -344,8 +344,8 @@ def pipeline(
 
 
 def _check_devices(stages: int, kwargs: dict[str, Any]) -> None:
-    """Devices given in one process that the stages would leave unused (zbv runs two stages
-    per device) are refused rather than silently left out."""
+    """Devices given in one process that the stages leave unused (zbv runs two stages per
+    device) are named in a warning rather than silently left out."""
     devices = kwargs.get("devices")
     schedule = kwargs.get("schedule", "gpipe")
     if devices is None or kwargs.get("pp_group") is not None or not isinstance(schedule, str):
@@ -355,11 +355,13 @@ def _check_devices(stages: int, kwargs: dict[str, Any]) -> None:
     except (KeyError, ValueError):
         return  # GPipe names an unknown schedule
     if per and stages // per < len(devices) and stages % per == 0:
-        raise ValueError(
-            f"devices: the {schedule} schedule runs {per} stages per device, so "
-            f"{stages} stages use {stages // per} of the {len(devices)} devices given; give "
-            f"{per * len(devices)} stages ({per * len(devices) - 1} split points) for "
-            f"{len(devices)} devices, or devices={list(devices)[: max(stages // per, 1)]!r}"
+        warnings.warn(
+            f"devices: the {schedule} schedule runs {per} stages per device, so {stages} "
+            f"stages use {stages // per} of the {len(devices)} devices given "
+            f"({list(devices)[: stages // per]!r}); give {per * len(devices)} stages "
+            f"({per * len(devices) - 1} split points) to use all {len(devices)}",
+            UserWarning,
+            stacklevel=3,
         )
 
 
