@@ -192,3 +192,21 @@ def test_a_hook_for_every_module_never_sees_a_fake_copy() -> None:
     finally:
         handle.remove()
     assert seen and not any(isinstance(t, FakeTensor) for t in seen)
+
+
+def test_pipes_of_one_model_cut_at_different_points_each_dispatch_their_own_atoms() -> None:
+    # The first pipe makes model.layers.2's MLP an atom; the second, model.layers.2 (which
+    # holds that MLP): the MLP is then called inside an atom, as it is.
+    model = cases.llama()
+    plain = copy.deepcopy(model)
+    batch = {"input_ids": cases.tokens(6, 8, 1)}
+    for points in (["model.layers.2.mlp"], ["model.layers.2"], ["model.layers.2.mlp"]):
+        pipe = gf.pipeline(model, {"input_ids": cases.tokens(2, 8, 0)}, points, chunks=3,
+                           devices=["cpu", "cpu"])  # fmt: skip
+        try:
+            with torch.no_grad():
+                loss = pipe.eval_step(batch, batch["input_ids"], cases.any_loss)
+        finally:
+            pipe.close()
+        want = cases.any_loss(plain(**batch), batch["input_ids"])
+        assert loss.item() == pytest.approx(want.item(), rel=1e-12), points

@@ -248,6 +248,7 @@ class _Planner(KeyedRun):
     ) -> None:  # fmt: skip
         super().__init__(identities, add=True)
         self.atoms, self.stages, self.names = atoms, stages, names
+        self._atom_ids = {id(a.module) for a in atoms}
         self.calls: list[Call] = []
         self.values: dict[int, Value] = {}
         self.needs = Needs([stages.index(k) if k in stages else len(stages) for k in range(count)])
@@ -265,6 +266,9 @@ class _Planner(KeyedRun):
                 if sub is not atom:
                     sub.register_forward_hook(self._sub_output)
         self.state_seen: set[str] = set()
+
+    def dispatches(self, module: nn.Module) -> bool:
+        return id(module) in self._atom_ids
 
     def value(self, key: Key) -> Value:
         assert key is not None

@@ -18,6 +18,11 @@ class Run(Protocol):
     """What a thread running a stage (or the planner) makes of an atom's call: `call` is the
     module's own (its hooks, then its forward)."""
 
+    def dispatches(self, module: nn.Module) -> bool:
+        """Whether `module` is one of this run's atoms (a module another pipe of the model
+        cut elsewhere made an atom is called as it is)."""
+        ...
+
     def atom(self, module: nn.Module, args: Any, kwargs: Any, call: Callable[..., Any]) -> Any: ...
 
 
@@ -36,7 +41,7 @@ class AtomCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self.previous if self.previous is not None else self.module._call_impl
         run: Run | None = getattr(_local, "run", None)
-        if run is None:
+        if run is None or not run.dispatches(self.module):
             return call(*args, **kwargs)
         return run.atom(self.module, args, kwargs, call)
 

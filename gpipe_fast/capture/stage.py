@@ -54,6 +54,7 @@ class _StageRun(KeyedRun):
         self.wanted = sites.wanted
         self.captured: dict[str, Tensor | None] = {}
         self.atom_modules = cell.atom_modules(plan)
+        self.atom_ids = cell.atom_ids(plan)
         self.next = 0
         self.own_left = sites.own_calls
         self.current_call: int | None = None
@@ -78,6 +79,9 @@ class _StageRun(KeyedRun):
                     keys.set(own, key)
 
     # -- atoms -------------------------------------------------------------------------------
+
+    def dispatches(self, module: nn.Module) -> bool:
+        return id(module) in self.atom_ids
 
     def atom(self, module: nn.Module, args: Any, kwargs: Any, call: Callable[..., Any]) -> Any:
         plan, i = self.plan, self.next
@@ -292,6 +296,7 @@ class StageCell(nn.Module):
         self._atoms: dict[int, list[nn.Module]] = {}
         self._sides: dict[int, set[int]] = {}
         self._sites: dict[int, _Sites] = {}
+        self._atom_ids: dict[int, frozenset[int]] = {}
         self._hooked: set[tuple[str, bool]] = set()
         consumed = plan.consumed_by(stage)
         # From the stage just before: the boundary value; from further back: skips.
@@ -329,6 +334,12 @@ class StageCell(nn.Module):
             run_eagerly_in_runs(self._model, found)
             self._hook_side_outputs(plan)
             self._atoms[id(plan)] = found
+        return found
+
+    def atom_ids(self, plan: Plan) -> frozenset[int]:
+        found = self._atom_ids.get(id(plan))
+        if found is None:
+            found = self._atom_ids[id(plan)] = frozenset(map(id, self.atom_modules(plan)))
         return found
 
     def side_calls(self, plan: Plan) -> set[int]:
