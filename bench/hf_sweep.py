@@ -94,7 +94,11 @@ SIZES: dict[str, Any] = {
 ROTARY_HEAD_DIM = ["deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe_lite",
                    "glm_moe_dsa", "longcat_flash", "kimi_linear", "mimo_v2_flash", "sarvam_mla",
                    "youtu"]  # fmt: skip
-PER_MODEL: dict[str, dict[str, Any]] = {name: {"head_dim": 4} for name in ROTARY_HEAD_DIM}
+PER_MODEL: dict[str, dict[str, Any]] = {
+    **{name: {"head_dim": 4} for name in ROTARY_HEAD_DIM},
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]]},  # pairs of its 4 layers
+    "mamba2": {"head_dim": 16},  # its heads cover expand x hidden_size
+}
 # A tiny config that still builds a large model (a field this list does not shrink) is
 # listed as not built rather than run.
 MAX_PARAMETERS = 3_000_000
@@ -136,7 +140,12 @@ def _shrunk(defaults: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, float) and _drops(key):
             overrides[key] = 0.0
         elif isinstance(value, dict) and "model_type" in value:
-            overrides[key] = {**value, **_shrunk(value)}
+            # Per-layer lists (layer_types, ...) left out: the sub-config makes them anew for
+            # its fewer layers.
+            layers = [value.get(k) for k in ("num_hidden_layers", "num_layers", "n_layer")]
+            kept = {k: v for k, v in value.items()
+                    if not (isinstance(v, list) and len(v) in layers)}  # fmt: skip
+            overrides[key] = {**kept, **_shrunk(value)}
     return overrides
 
 
