@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_s if args.budget_s is not None else (170.0 if on_gpu and args.quick else None)
     )
     if on_gpu:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device(device).index or 0)
         torch.set_float32_matmul_precision("high")
     worlds = [1] if on_gpu else [int(w) for w in args.processes.split(",")]
     record = Record(args.out or default_out_path(f"compiled-{scale}"), script="bench/compiled.py",

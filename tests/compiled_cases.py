@@ -101,7 +101,7 @@ def reference(net: nn.Sequential, balance: list[int], x: Tensor, y: Tensor, chun
     step_seed = draw_step_seed()
     ends = list(itertools.accumulate(balance))
     sizes = split_sizes(len(x), chunks)
-    total = torch.zeros((), dtype=x.dtype)
+    total = torch.zeros((), dtype=x.dtype, device=x.device)
     for m, (xm, ym) in enumerate(zip(x.split(sizes), y.split(sizes), strict=True)):
         hidden = xm
         for k, (start, end) in enumerate(zip([0, *ends], ends, strict=False)):

@@ -121,10 +121,13 @@ def _soak(
 
 def test_thousand_steps_leave_threads_events_objects_and_memory_flat(make_pipe) -> None:
     def snapshot(pipe: Any) -> tuple[object, ...]:
-        # Threads (the watchdog's too), the host sync's live events, and the cache of random
-        # ops' generator overloads (grows only with new kinds of op, never per step).
-        cached_ops = randomness._with_generator.cache_info().currsize
-        return native_threads(), pipeline_of(pipe).executor.live_events, cached_ops
+        # Threads (the watchdog's too), the host sync's live events, and whether the default
+        # generators are free between steps (a task that left them held would stall the next
+        # step's random cells).
+        generators_free = randomness._HELD.acquire(blocking=False)
+        if generators_free:
+            randomness._HELD.release()
+        return native_threads(), pipeline_of(pipe).executor.live_events, generators_free
 
     _soak(make_pipe, "cpu", snapshot)
 
