@@ -417,12 +417,34 @@ def totals(rows: list[Row]) -> dict[str, Any]:
     }
 
 
+def misses(rows: list[Row]) -> list[str]:
+    """The sweep's targets that `rows` miss: a case off, an error that is not the library's own
+    refusal, fewer than 90% of the decoder LMs that ran exact at every split."""
+    found = [
+        f"{r.model_type} {split}/{schedule}: {o.status}: {o.detail[:200]}"
+        for r in rows
+        for (split, schedule), o in r.outcomes.items()
+        if o.status in ("off", "error")
+    ]
+    decoders = [r for r in rows if r.family == "causal" and not r.built]
+    exact = sum(_exact(r) for r in decoders)
+    if exact < 0.9 * len(decoders):
+        found.append(f"decoder LMs exact at every split: {exact} of {len(decoders)}, under 90%")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--models", default="", help="model types (default: every one)")
     parser.add_argument("--splits", default="", help="splits to run (default: every one)")
     parser.add_argument("--out", default="", help="also write the table to this file")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a target is missed (a case off, an error that is not "
+        "a refusal, under 90%% of the decoder LMs exact at every split)",
+    )
     args = parser.parse_args(argv)
     import transformers
 
@@ -444,12 +466,15 @@ def main(argv: list[str] | None = None) -> int:
             table(rows), "", "Not built or not run on the example:", ""]  # fmt: skip
     text += [f"- {r.family} {r.model_type}: {r.built}" for r in rows if r.built]
     text += ["", "Totals: " + ", ".join(f"{k} {v}" for k, v in totals(rows).items())]
+    missed = misses(rows)
+    text += ["", "Targets missed:" if missed else "Targets: all met.", ""]
+    text += [f"- {miss}" for miss in missed]
     report = "\n".join(text)
     print(report)
     if args.out:
         with open(args.out, "w") as handle:
             handle.write(report + "\n")
-    return 0
+    return 1 if args.check and missed else 0
 
 
 def cases_of(row: Row) -> Callable[[], None]:  # pragma: no cover - for interactive use

@@ -1,7 +1,6 @@
 """bench/hf_sweep.py: gf.pipeline over transformers' auto mappings, split anywhere, in float64.
-The fast suite sweeps a few architectures of each family; the full suite sweeps them all and
-holds the targets: no case off, no error that is not the library's own refusal, at least 90%
-of the decoder LMs that run exact at every split."""
+A few architectures in the fast suite, a wider sample against the sweep's targets (no case
+off, no error that is not the library's own refusal) in the full one, and the targets' check."""
 
 from __future__ import annotations
 
@@ -28,19 +27,30 @@ def test_a_few_architectures_are_exact_at_every_split(family: str, model_type: s
     assert all(o.status == "exact" for o in ran.values()), {c: o.cell() for c, o in ran.items()}
 
 
-def test_every_architecture_of_the_auto_mappings() -> None:
-    families = hf_sweep.FAMILIES
-    rows = [
-        hf_sweep.sweep_one(f, model_type)
-        for f in families
-        for model_type in hf_sweep.model_types(f)
-    ]
-    print(hf_sweep.table(rows))
-    cases = [(r.model_type, case, o) for r in rows for case, o in r.outcomes.items()]
-    off = [(m, c, o.detail) for m, c, o in cases if o.status == "off"]
-    errors = [(m, c, o.detail) for m, c, o in cases if o.status == "error"]
-    assert not off, off
-    assert not errors, errors
-    decoders = [r for r in rows if r.family == "causal" and not r.built]
-    exact = [r for r in decoders if all(o.status in ("exact", "n/a") for o in r.outcomes.values())]
-    assert len(exact) >= 0.9 * len(decoders), (len(exact), len(decoders))
+# The full suite's wider sample: the architectures the issue that brought the sweep tried by
+# hand, MoE as transformers builds it among them. The whole mapping (hundreds, an hour on two
+# cores) is `python bench/hf_sweep.py --check`, too long for CI's 20 minutes.
+MORE = [("causal", m) for m in ("mistral", "phi3", "gpt_neox", "qwen3", "gpt2", "falcon",
+                                "mixtral", "qwen2_moe", "olmoe")] + [("seq2seq", "t5")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "model_type"), MORE, ids=[m for _, m in MORE])
+def test_more_architectures_meet_the_sweep_targets(family: str, model_type: str) -> None:
+    row = hf_sweep.sweep_one(family, model_type)
+    assert not row.built, row.built
+    assert not hf_sweep.misses([row]), hf_sweep.table([row])
+
+
+def test_misses_names_a_case_off_an_error_and_too_few_exact_decoders() -> None:
+    exact = hf_sweep.Outcome("exact")
+    rows = [hf_sweep.Row("causal", f"m{i}", outcomes={("head", "1f1b"): exact}) for i in range(9)]
+    assert hf_sweep.misses(rows) == []
+    refused = hf_sweep.Row("causal", "r", outcomes={("head", "1f1b"): hf_sweep.Outcome(
+        "refused", "a split inside a shared module")})  # fmt: skip
+    assert hf_sweep.misses([*rows, refused]) == []  # 9 of 10 exact: the target holds
+    off = hf_sweep.Row("causal", "o", outcomes={("head", "1f1b"): hf_sweep.Outcome("off", "3e-2")})
+    missed = hf_sweep.misses([*rows, refused, off])
+    assert missed[0].startswith("o head/1f1b: off") and "9 of 11" in missed[-1]
+    error = hf_sweep.Row("seq2seq", "e", outcomes={("head", "1f1b"): hf_sweep.Outcome(
+        "error", "KeyError")})  # fmt: skip
+    assert hf_sweep.misses([*rows, error]) == ["e head/1f1b: error: KeyError"]
