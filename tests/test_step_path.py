@@ -1,6 +1,6 @@
-"""The one step path: a StepRequest run on either side gives the plain model's values, and
-both sides do everything the StepSide protocol asks (the processes' side of each program is
-covered in test_multiprocess.py and test_sharded.py)."""
+"""The one step path: a StepRequest run by Pipeline.run on either side gives the plain model's
+values, and both sides do everything the StepSide protocol asks (the processes' side of each
+program is covered in test_multiprocess.py and test_sharded.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from gpipe_fast.api.gpipe import pipeline_of
 from gpipe_fast.distributed.driver import CrossProcess
 from gpipe_fast.distributed.transports.registry import PipeMedia
 from gpipe_fast.runtime.one_process import OneProcess
-from gpipe_fast.runtime.step_path import run_step
 from gpipe_fast.runtime.step_request import PROGRAMS, StepRequest, StepSide
 
 
@@ -28,7 +27,8 @@ def _model() -> nn.Sequential:
 @pytest.mark.parametrize("side", [OneProcess, CrossProcess])
 def test_each_side_has_every_method_of_the_protocol(side: type) -> None:
     methods = {name for name, _ in inspect.getmembers(StepSide, inspect.isfunction)}
-    assert {"share", "run", "loss", "after_backward", "report", "close"} <= methods
+    hooks = {"share", "running", "before_step", "after_backward", "loss", "report", "close"}
+    assert hooks <= methods
     missing = {m for m in methods if not callable(getattr(side, m, None))}
     assert not missing, f"{side.__name__} lacks {sorted(missing)}"
 
@@ -48,7 +48,7 @@ def test_every_program_in_one_process_equals_the_plain_model(make_pipe, program:
     x, y = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
     loss_fn = nn.functional.mse_loss if program != "forward" else None
     request = StepRequest(program, 3, "always", loss_fn)
-    got = run_step(pipeline_of(pipe), request, x, y)
+    got = pipeline_of(pipe).run(request, x, y)  # type: ignore[union-attr]
     if program == "forward":
         torch.testing.assert_close(got, plain(x), rtol=1e-12, atol=0)
         assert all(p.grad is None for p in model.parameters())
@@ -72,4 +72,4 @@ def test_a_step_without_a_callable_loss_is_refused_before_it_runs(make_pipe) -> 
     pipe = make_pipe(_model(), [2, 3], devices=["cpu", "cpu"], chunks=2)
     x = torch.randn(4, 6, dtype=torch.float64)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
-        run_step(pipeline_of(pipe), StepRequest("evaluate", 2), x, x)
+        pipeline_of(pipe).run(StepRequest("evaluate", 2), x, x)  # type: ignore[union-attr]
