@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gpipe_fast.api.gpipe import pipeline_of
 from gpipe_fast.distributed.driver import CrossProcess
@@ -73,3 +76,70 @@ def test_a_step_without_a_callable_loss_is_refused_before_it_runs(make_pipe) -> 
     x = torch.randn(4, 6, dtype=torch.float64)
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         pipeline_of(pipe).run(StepRequest("evaluate", 2), x, x)  # type: ignore[union-attr]
+
+
+class _HookLog:
+    """A side that logs each hook Pipeline.run calls, then does what the side it wraps does."""
+
+    def __init__(self, side: Any) -> None:
+        self.side = side
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.side, name)
+
+    def share(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append("share")
+        return self.side.share(*args, **kwargs)
+
+    @contextmanager
+    def running(self, *, backward: bool) -> Iterator[None]:
+        self.calls.append(f"running(backward={backward})")
+        with self.side.running(backward=backward):
+            yield
+        self.calls.append("ran")
+
+    def before_step(self) -> None:
+        self.calls.append("before_step")
+        self.side.before_step()
+
+    def after_backward(self) -> None:
+        self.calls.append("after_backward")
+        self.side.after_backward()
+
+    def loss(self, local: Tensor | None) -> Tensor:
+        self.calls.append("loss")
+        return self.side.loss(local)
+
+
+RUN_HOOKS = {
+    "train": ["share", "running(backward=True)", "before_step", "after_backward", "ran", "loss"],
+    "evaluate": ["share", "running(backward=False)", "before_step", "ran", "loss"],
+    "forward": ["share", "running(backward=False)", "before_step", "ran"],
+}
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_run_calls_the_sides_hooks_in_order(make_pipe, program: str) -> None:
+    pipe = make_pipe(_model(), [2, 3], devices=["cpu", "cpu"], chunks=2)
+    pipeline: Any = pipeline_of(pipe)
+    log = pipeline.side = _HookLog(pipeline.side)
+    loss_fn = nn.functional.mse_loss if program != "forward" else None
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    pipeline.run(StepRequest(program, 2, loss_fn=loss_fn), x, y)
+    assert log.calls == RUN_HOOKS[program]
+
+
+def test_a_failed_step_ends_inside_running_before_after_backward(make_pipe) -> None:
+    pipe = make_pipe(_model(), [2, 3], devices=["cpu", "cpu"], chunks=2)
+    pipeline: Any = pipeline_of(pipe)
+    log = pipeline.side = _HookLog(pipeline.side)
+
+    def broken_loss(output: Tensor, target: Tensor) -> Tensor:
+        raise ValueError("no loss today")
+
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no loss today"):
+        pipeline.run(StepRequest("train", 2, loss_fn=broken_loss), x, y)
+    assert log.calls == ["share", "running(backward=True)", "before_step"]
+    assert all(p.grad is None for p in pipe.parameters())

@@ -1,5 +1,4 @@
-"""What Pipeline.run computes around a step's run: its loss weights, its items and its input's
-gradient.
+"""Around a step's run (Pipeline.run): its loss weights, its items, its input's gradient.
 
 Every step but one runs as one whole schedule through `Pipeline.run` (runtime/pipeline.py):
 train_step, eval_step, and pipe(x) without gradients across processes. pipe(x) with
