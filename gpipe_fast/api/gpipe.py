@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import operator
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from functools import partial
@@ -55,7 +54,6 @@ from gpipe_fast.runtime.autograd_call import autograd_call
 from gpipe_fast.runtime.context import LossFn
 from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
-from gpipe_fast.runtime.step_path import run_step
 from gpipe_fast.runtime.step_request import StepRequest
 from gpipe_fast.runtime.timeline import Timeline
 from gpipe_fast.schedule.registry import check_schedule, schedule_kind
@@ -494,7 +492,7 @@ class GPipe(nn.Module):
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
             # Checked at the step's start on every rank (see _check_initialised).
             forward = StepRequest("forward", self.chunks)
-            return run_step(self._pipeline, forward, input, None)
+            return self._pipeline.run(forward, input, None)
         self._unfilled.check()
         return autograd_call(self._pipeline, input, self.chunks, self.checkpoint, self.training)
 
@@ -569,7 +567,7 @@ class GPipe(nn.Module):
             "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
             reduction, loss_scale, counting,
         )  # fmt: skip
-        return self._timed_step(lambda: run_step(pipeline, train, input, target))
+        return cast(torch.Tensor, pipeline.run(train, input, target))
 
     def tune(
         self,
@@ -682,7 +680,7 @@ class GPipe(nn.Module):
         evaluate = StepRequest(
             "evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction, counting=counting
         )
-        return self._timed_step(lambda: run_step(pipeline, evaluate, input, target))
+        return cast(torch.Tensor, pipeline.run(evaluate, input, target))
 
     def _loss_reduction(
         self, reduction: object, target: Any, num_items_in_batch: object
@@ -702,16 +700,6 @@ class GPipe(nn.Module):
                 f"reduction must be one of {REDUCTIONS} or a gpipe_fast.ItemMean, got {reduction!r}"
             )
         return str(reduction), None
-
-    def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Runs a step; while recording, keeps how long the call took (its own work around
-        its tasks, for gf.plan(calibrate=...))."""
-        assert self._pipeline is not None
-        start = time.perf_counter()
-        loss = run()
-        if self._pipeline.recording:
-            self._pipeline.recorded_call_s = time.perf_counter() - start
-        return loss
 
     def _check_initialised(self) -> None:
         """Refuses to run while a tensor built on the meta device holds no values yet. A

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,8 +16,6 @@ from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.transport.local import LocalTransport
 from gpipe_fast.transport.protocol import Transport
-
-T = TypeVar("T")
 
 
 class OneProcess:
@@ -45,8 +44,15 @@ class OneProcess:
     ) -> BatchShare:
         return whole_batch(input, target, chunks, needs_target=needs_target, counting=counting)
 
-    def run(self, run: Callable[[], T], *, backward: bool) -> T:
-        return run()
+    @contextmanager
+    def running(self, *, backward: bool) -> Iterator[None]:
+        """Nothing around a step here: its failure reaches its caller."""
+        yield
+
+    def before_step(self) -> None:
+        """Each tie's replicas on other devices made equal to its tensor."""
+        if self.tied:
+            self.tied.before_step()
 
     def after_backward(self) -> None:
         """Each tie's gradient summed from its replicas on other devices into its tensor."""
