@@ -121,7 +121,7 @@ class Pipeline:
         self.side: StepSide = self.cross if self.cross is not None else OneProcess(tied)
         # The media between the pipeline group's processes, chosen once per pipe.
         self.media = self.side.media
-        self.transport = self.media.choice
+        self.transport_choice = self.media.choice
         self.schedules = ScheduleCache(
             self.stage_workers,
             schedule,

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.transports.registry import PipeMedia
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value
 from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.transport.choice import ChosenMedia
 from gpipe_fast.transport.protocol import Transport
 
 T = TypeVar("T")
@@ -52,7 +52,9 @@ class StepSide(Protocol):
     """What one side of the step path does around a step: one process, or this rank's
     part across processes."""
 
-    media: PipeMedia
+    @property
+    def media(self) -> ChosenMedia:
+        """The media chosen once for the pipe's steps."""
 
     def report(self, error: BaseException) -> None:
         """Tells whoever else runs the step of a failure here."""
