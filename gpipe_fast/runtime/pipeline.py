@@ -114,7 +114,7 @@ class Pipeline:
         self.cross: CrossProcess | None = None
         if hosts is not None:
             here = [cell.module if cell is not None else None for cell in self.cells]
-            device = self.devices[self.layout.local_stages[0]]
+            device = self.devices[self.layout.local_cells[0]]
             self.cross = CrossProcess.open(
                 self.layout, device, hosts, timeout_s, here, tied, skips, ready
             )

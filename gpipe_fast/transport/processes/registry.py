@@ -124,5 +124,5 @@ def make_transport(
     if not layout.multi_process:
         return local
     assert guard is not None, "a transport across processes needs the pipe's guard"
-    device = devices[layout.local_stages[0]]
+    device = devices[layout.local_cells[0]]
     return ProcessTransport(local, layout, media.step_media(layout, guard, device), skips)
