@@ -19,8 +19,9 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer(
-        ("_C", "arguments", "layers"),
-        "the native core; argument checks shared by every layer; this list",
+        ("_C", "arguments", "errors", "layers"),
+        "the native core; argument checks shared by every layer; the errors a step raises "
+        "wherever it runs; this list",
     ),
     Layer(
         ("nn", "device", "skip"),
@@ -37,19 +38,28 @@ LAYERS: tuple[Layer, ...] = (
         ("schedule",),
         "the registry of schedule kinds and actions (read from `_C`), each pipe's schedule cache",
     ),
-    Layer(("transport",), "the `Transport` protocol, the in-process transport"),
     Layer(
-        ("distributed",),
+        ("pictures",),
+        "pictures of a step's timeline: what they show, drawn as PNG or SVG, or written as a "
+        "Chrome trace",
+    ),
+    Layer(
+        ("transport",),
+        "the transports, in one home: the `Transport` protocol, the in-process transport, the "
+        "wire format and the media's choice (the transport across processes, "
+        "`transport/processes/`, sits with `distributed/`, whose guard and layout it uses)",
+    ),
+    Layer(
+        ("distributed", "transport.processes"),
         "process layouts, the ranks' agreement at build, the guard of every wait, process "
         "groups, gradient reductions, sharded stages and their guarded collectives, the "
-        "transport across processes and its media (`distributed/transports/`), the "
-        "cross-process side of the step path",
+        "cross-process side of the step path; the transport across processes and its media",
     ),
     Layer(
         ("runtime",),
         "each stage's lasting cell, the pipeline (composition root), the step path and its "
         "one-process side, `pipe(x)` through autograd, the runner (phase drivers), a step's "
-        "state and dispatch, the `Stage`, the autograd bridge, timelines and their pictures, "
+        "state and dispatch, the `Stage`, the autograd bridge, timelines, "
         "memory",
     ),
     Layer(

@@ -8,10 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from gpipe_fast.capture.discover import discover
-from gpipe_fast.capture.plan import Plan, Route
+from gpipe_fast.capture.plan import CapturePlan, Route
 
 
-def _crossing(plan: Plan) -> list[Route]:
+def _crossing(plan: CapturePlan) -> list[Route]:
     return [r for r in plan.routes.values() if r.value >= 0]
 
 

@@ -42,7 +42,9 @@ def test_a_completed_wait_returns() -> None:
     guard = Guard(_store(), "pipe", rank=0, timeout_s=30)
     request = _Request()
     threading.Timer(0.1, request.released.set).start()
-    guard.wait(request, "an activation", peer=1)  # returns once the request completes
+    guard.wait(request, "an activation", peer=1)
+    assert request.released.is_set()  # it returned once the request completed, not before
+    guard.check()  # and no failure was reported on the way
 
 
 def test_another_ranks_failure_ends_the_wait() -> None:

@@ -18,10 +18,10 @@ from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.model_items import model_loss
 from gpipe_fast.api.rank_saves import warn_on_rank_saves
 from gpipe_fast.balancing.balance import partition
+from gpipe_fast.capture.cell import captured_cells
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
-from gpipe_fast.capture.plans import Plans
+from gpipe_fast.capture.plans import CapturePlans
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
-from gpipe_fast.capture.stage import stage_cells
 from gpipe_fast.nn.items import Counting, ItemMean, check_items_given
 from gpipe_fast.schedule.registry import schedule_kind
 
@@ -43,7 +43,9 @@ class ModelPipe(GPipe):
     _model: nn.Module  # the model (not registered: the cells hold its parts)
     _aliases: dict[str, str]  # a parameter's other names -> the model's first name for it
 
-    def __init__(self, model: nn.Module, plans: Plans, split_points: list[str], **kwargs: Any):
+    def __init__(
+        self, model: nn.Module, plans: CapturePlans, split_points: list[str], **kwargs: Any
+    ):
         # Each parameter's first name in the model: what the plain model's named_parameters()
         # and optimizer state call it (taken now, before materialising can replace one).
         first_names: dict[int, str] = {}
@@ -54,7 +56,7 @@ class ModelPipe(GPipe):
         self.__dict__["_given_split_points"] = list(split_points)
         self.__dict__["_model"] = model  # not a submodule: the cells hold its parts
         self.__dict__["_plans"] = plans
-        cells = stage_cells(model, plans)
+        cells = captured_cells(model, plans)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
         super().__init__(module, [1] * plans.first.stages, **kwargs)
@@ -336,7 +338,7 @@ def pipeline(
         )
     _check_devices(len(split_points) + 1, kwargs)
     plan = discover(model, example_inputs, list(split_points))
-    plans = Plans(model, example_inputs, list(split_points), plan)
+    plans = CapturePlans(model, example_inputs, list(split_points), plan)
     pipe = ModelPipe(model, plans, list(split_points), **kwargs)
     if tuned is not None:
         AutoPipe(tuned, ModelBuilder(model, example_inputs, kwargs, pipe)).attach(pipe)

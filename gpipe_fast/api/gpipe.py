@@ -37,7 +37,6 @@ from gpipe_fast.distributed.agreement import agree, stage_parameters
 from gpipe_fast.distributed.host_peers import host_peers
 from gpipe_fast.distributed.layout import check_device, check_groups, make_layout
 from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
-from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.items import Counting, ItemMean, check_items_given, count_items
 from gpipe_fast.nn.materialize import (
@@ -60,6 +59,7 @@ from gpipe_fast.schedule.registry import check_schedule, schedule_kind
 from gpipe_fast.skip.layout import SkipLayout, inspect_skip_layout
 from gpipe_fast.skip.skippable import Skippable
 from gpipe_fast.skip.verify import verify_skippables
+from gpipe_fast.transport.choice import TransportChoice
 
 Device = torch.device | str | int
 TensorT = TypeVar("TensorT", bound=Tensor)  # a parameter or a buffer
@@ -457,7 +457,7 @@ class GPipe(nn.Module):
     def _transport(self) -> TransportChoice:
         if self._pipeline is None:
             return TransportChoice("in process", "the pipe has no cells")
-        return self._pipeline.transport
+        return self._pipeline.transport_choice
 
     @property
     def threads_per_cell(self) -> int | None:

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import (
 from gpipe_fast.capture.copies import ShapeRules, planning_copy
 from gpipe_fast.capture.dispatch import install, running
 from gpipe_fast.capture.identity import Identities
-from gpipe_fast.capture.plan import Plan, Route
+from gpipe_fast.capture.plan import CapturePlan, Route
 from gpipe_fast.capture.planner import Planner
 from gpipe_fast.capture.routes import find_routes
 
@@ -240,7 +240,7 @@ def _atoms(
 
 def discover(
     model: nn.Module, example: Any, split_points: list[str], training: bool | None = None
-) -> Plan:
+) -> CapturePlan:
     """The plan of `model` cut at `split_points`, from two runs of its forward on fake
     tensors shaped as `example` (one micro-batch), in training mode or not (default: the
     model's): cheap in memory whatever the model's size, and the model may be on the meta
@@ -320,7 +320,8 @@ def _cache_in(output: Any) -> str:
 
 
 def _plan(planner: Planner, routes: Any, reads: list[list[str]], count: int,
-          args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> Plan:  # fmt: skip
+          args: tuple[Any, ...], kwargs: dict[str, Any],
+          training: bool) -> CapturePlan:  # fmt: skip
     inputs = {str(i): a for i, a in enumerate(args)} | kwargs
     tensor_inputs = [n for n, v in inputs.items() if isinstance(v, Tensor)]
     constants = {n: v for n, v in inputs.items() if not isinstance(v, Tensor)}
@@ -331,7 +332,7 @@ def _plan(planner: Planner, routes: Any, reads: list[list[str]], count: int,
             f"example_inputs: {nested[0]!r} holds tensors inside another value; give each "
             "tensor as an argument of its own"
         )
-    plan = Plan(count, planner.calls, routes, tensor_inputs, constants, len(args), training,
+    plan = CapturePlan(count, planner.calls, routes, tensor_inputs, constants, len(args), training,
                 planner.keys.identities, reads=reads)  # fmt: skip
     plan.values = {r.value: planner.values[r.value] for r in routes.values() if r.value >= 0}
     plan.state_names = sorted(planner.state_seen)

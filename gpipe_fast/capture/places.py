@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plan import CapturePlan
 
 
 def tensor_at(root: nn.Module, name: str) -> Tensor | None:
@@ -56,7 +56,7 @@ def place_tensor(root: nn.Module, model: nn.Module, name: str) -> None:
     owner.register_buffer(attribute, buffer, persistent=persistent)
 
 
-def uncovered(model: nn.Module, plan: Plan) -> list[str]:
+def uncovered(model: nn.Module, plan: CapturePlan) -> list[str]:
     """The model's parameters and buffers (by every name they have) that no stage holds under
     that name: neither inside an atom nor read by the glue of a stage."""
     atoms = {fqn for names in plan.atoms for fqn in names}

@@ -49,7 +49,7 @@ class Route:
 
 
 @dataclass
-class Plan:
+class CapturePlan:
     """The forward's atom calls in order, the routes between stages, the model's inputs, and
     the identities of the values the stages take and put."""
 

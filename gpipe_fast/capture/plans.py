@@ -12,13 +12,13 @@ from typing import Any
 from torch import nn
 
 from gpipe_fast.capture.discover import discover
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plan import CapturePlan
 
 
-class Plans:
+class CapturePlans:
     """The plan of each mode of `model` cut at `split_points`, planned on `example`."""
 
-    def __init__(self, model: nn.Module, example: Any, split_points: list[str], first: Plan):
+    def __init__(self, model: nn.Module, example: Any, split_points: list[str], first: CapturePlan):
         self.first = first
         self._model = model
         self._example = example
@@ -26,10 +26,10 @@ class Plans:
         self._plans = {first.training: first}
         self._lock = threading.Lock()
 
-    def all(self) -> list[Plan]:
+    def all(self) -> list[CapturePlan]:
         return list(self._plans.values())
 
-    def get(self, training: bool) -> Plan:
+    def get(self, training: bool) -> CapturePlan:
         plan = self._plans.get(training)
         if plan is None:
             with self._lock:
@@ -44,11 +44,11 @@ def _mode(training: bool) -> str:
     return "training" if training else "evaluation"
 
 
-def _named_as(first: Plan, other: Plan) -> Plan:
+def _named_as(first: CapturePlan, other: CapturePlan) -> CapturePlan:
     """`other` with its routes named as `first`'s: the same values cross, in the same order
     and between the same stages, whatever ops make them in each mode."""
 
-    def signature(plan: Plan) -> list[tuple[int, tuple[int, ...], bool]]:
+    def signature(plan: CapturePlan) -> list[tuple[int, tuple[int, ...], bool]]:
         return [(r.producer, tuple(sorted(r.consumers)), r.floating)
                 for r in plan.routes.values() if r.value >= 0]  # fmt: skip
 
@@ -68,6 +68,6 @@ def _named_as(first: Plan, other: Plan) -> Plan:
     return other
 
 
-def _listed(plan: Plan) -> str:
+def _listed(plan: CapturePlan) -> str:
     crossing = [f"{r.what} from stage {r.producer}" for r in plan.routes.values() if r.value >= 0]
     return "; ".join(crossing) or "none"

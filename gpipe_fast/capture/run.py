@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gpipe_fast.capture.identity import Key, KeyedRun, rebuilt, replace
 from gpipe_fast.capture.placeholders import Placeholders
 from gpipe_fast.capture.places import tensor_at
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plan import CapturePlan
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Sites:
     glue_ops: bool  # whether it takes or puts a value a glue op makes (it keys the glue then)
 
     @classmethod
-    def of(cls, plan: Plan, stage: int) -> Sites:
+    def of(cls, plan: CapturePlan, stage: int) -> Sites:
         takes, puts = plan.takes(stage), plan.puts(stage)
         values = [plan.values[k] for k in (*takes, *puts)]
         return cls(
@@ -42,18 +42,18 @@ class Sites:
 
 
 class Cell(Protocol):
-    """What a run needs of its stage's cell (capture/stage.py's StageCell)."""
+    """What a run needs of its stage's cell (capture/cell.py's CapturedCell)."""
 
     stage: int
     last: bool
     _model: nn.Module
     placeholders: Placeholders
 
-    def sites(self, plan: Plan) -> Sites: ...
-    def atom_modules(self, plan: Plan) -> list[nn.Module]: ...
-    def atom_ids(self, plan: Plan) -> frozenset[int]: ...
-    def substitutes(self, plan: Plan) -> dict[int, Tensor]: ...
-    def side_calls(self, plan: Plan) -> set[int]: ...
+    def sites(self, plan: CapturePlan) -> Sites: ...
+    def atom_modules(self, plan: CapturePlan) -> list[nn.Module]: ...
+    def atom_ids(self, plan: CapturePlan) -> frozenset[int]: ...
+    def substitutes(self, plan: CapturePlan) -> dict[int, Tensor]: ...
+    def side_calls(self, plan: CapturePlan) -> set[int]: ...
     def name_of(self, module: nn.Module) -> str: ...
 
 
@@ -66,7 +66,7 @@ class StageRun(KeyedRun):
     """One forward of the model on one stage: its atom calls and, when its plan takes or puts
     values that glue ops make, its glue ops, keyed."""
 
-    def __init__(self, cell: Cell, plan: Plan, received: dict[str, Tensor | None],
+    def __init__(self, cell: Cell, plan: CapturePlan, received: dict[str, Tensor | None],
                  inputs: dict[str, Tensor]) -> None:  # fmt: skip
         super().__init__(plan.identities, add=False)
         self.cell, self.plan, self.stage = cell, plan, cell.stage

@@ -22,8 +22,6 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups, pipe_guard
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
-from gpipe_fast.distributed.transports.across import skips_between_ranks
-from gpipe_fast.distributed.transports.registry import PipeMedia, make_transport, open_media
 from gpipe_fast.nn.items import Counting, count_items, step_items
 from gpipe_fast.nn.microbatch import (
     BatchShare,
@@ -36,6 +34,8 @@ from gpipe_fast.nn.microbatch import (
 )
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport.processes.across import skips_between_ranks
+from gpipe_fast.transport.processes.registry import PipeMedia, make_transport, open_media
 from gpipe_fast.transport.protocol import Transport
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from gpipe_fast import _C
 from gpipe_fast.distributed.liveness import Processes
+from gpipe_fast.errors import PeerFailure as PeerFailure  # its home before errors.py
 
 # How often a waiting rank looks in the store for another rank's failure.
 CHECK_EVERY_S = 0.05
@@ -36,10 +37,6 @@ T = TypeVar("T")
 # after every other atexit handler of the package (pipes closed, failures read).
 _C.install_exit_guard()
 atexit.register(_C.interpreter_exiting)
-
-
-class PeerFailure(RuntimeError):
-    """Another rank's step failed, or a rank stopped answering: this rank's step stops too."""
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.transports.registry import IN_PROCESS, PipeMedia
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
 from gpipe_fast.nn.tied import TiedGradients
+from gpipe_fast.transport.choice import InProcessMedia
 from gpipe_fast.transport.local import LocalTransport
 from gpipe_fast.transport.protocol import Transport
 
@@ -25,7 +25,7 @@ class OneProcess:
 
     def __init__(self, tied: TiedGradients | None) -> None:
         self.tied = tied
-        self.media = PipeMedia(IN_PROCESS)
+        self.media = InProcessMedia()
 
     def report(self, error: BaseException) -> None:
         """Nobody else to tell: the step's error reaches its caller."""

@@ -125,14 +125,14 @@ class Pipeline:
         self.cross: CrossProcess | None = None
         if hosts is not None:
             here = [cell.module if cell is not None else None for cell in self.cells]
-            device = self.devices[self.layout.local_stages[0]]
+            device = self.devices[self.layout.local_cells[0]]
             self.cross = CrossProcess.open(
                 self.layout, device, hosts, timeout_s, here, tied, skips, ready
             )
         self.side: StepSide = self.cross if self.cross is not None else OneProcess(tied)
         # The media between the pipeline group's processes, chosen once per pipe.
         self.media = self.side.media
-        self.transport = self.media.choice
+        self.transport_choice = self.media.choice
         self.schedules = ScheduleCache(
             self.stage_workers,
             schedule,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.microbatch import Value
 from gpipe_fast.runtime import actions as _builtin_handlers  # noqa: F401  (registers them)
 from gpipe_fast.runtime.cell import Cell

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.transports.registry import PipeMedia
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value
 from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.transport.choice import ChosenMedia
 from gpipe_fast.transport.protocol import Transport
 
 # The programs a step may run: every task of a training step; the forwards and losses of an
@@ -53,7 +53,9 @@ class StepSide(Protocol):
     before_step, the run, and after_backward), loss. Ties are the side's alone: before_step
     and after_backward are the only places a step touches them."""
 
-    media: PipeMedia
+    @property
+    def media(self) -> ChosenMedia:
+        """The media chosen once for the pipe's steps."""
 
     def report(self, error: BaseException) -> None:
         """Tells whoever else runs the step of a failure here."""

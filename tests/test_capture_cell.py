@@ -1,4 +1,4 @@
-"""capture/stage.py: small forwards through gf.pipeline, exact against the plain model in float64
+"""capture/cell.py: small forwards through gf.pipeline, exact against the plain model in float64
 (values made between modules, read by two later stages, the glue's own tensors, a module two
 stages call), and the run-time checks of every value that crosses: a value a stage's forward
 makes otherwise than planned is an error naming it, never a misplaced value."""
@@ -229,7 +229,7 @@ def own_tensors_across(rank: int, world: int) -> dict[str, Any]:
 def test_the_glues_own_parameter_read_on_two_ranks_is_tied_across_them(two: Any) -> None:
     from cluster import values
 
-    ranks = values(two.run("test_capture_stage.own_tensors_across"))
+    ranks = values(two.run("test_capture_cell.own_tensors_across"))
     assert {n for r in ranks for n in r["grads"]} == set(ranks[0]["want"])
     assert "scale" in ranks[0]["grads"] and "scale" in ranks[1]["grads"]
     for got in ranks:

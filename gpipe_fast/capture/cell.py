@@ -29,19 +29,19 @@ from torch._subclasses.fake_tensor import (
 from gpipe_fast.capture.dispatch import current, install, run_eagerly_in_runs, running
 from gpipe_fast.capture.placeholders import Placeholders
 from gpipe_fast.capture.places import place, place_tensor, tensor_at, uncovered
-from gpipe_fast.capture.plan import Plan
-from gpipe_fast.capture.plans import Plans
+from gpipe_fast.capture.plan import CapturePlan
+from gpipe_fast.capture.plans import CapturePlans
 from gpipe_fast.capture.run import Sites, StageDone, StageRun
 from gpipe_fast.skip.skippable import pop, skippable, stash
 
 
-class StageCell(nn.Module):
+class CapturedCell(nn.Module):
     """Stage `stage` of `model` cut by `plans`: the layer of one cell (made skippable per stage
-    by stage_cells). Its submodules are the stage's atoms at their places in the model, and
+    by captured_cells). Its submodules are the stage's atoms at their places in the model, and
     the parameters and buffers its glue reads (so its tensors keep the model's names); the
     model itself is held but not registered."""
 
-    def __init__(self, model: nn.Module, plans: Plans, stage: int, extra: list[str]) -> None:
+    def __init__(self, model: nn.Module, plans: CapturePlans, stage: int, extra: list[str]) -> None:
         super().__init__()
         plan = plans.first
         self.plans = plans
@@ -86,13 +86,13 @@ class StageCell(nn.Module):
             if plain != name and tensor_at(self, plain) is None:
                 place_tensor(self, model, plain)
 
-    def sites(self, plan: Plan) -> Sites:
+    def sites(self, plan: CapturePlan) -> Sites:
         found = self._sites.get(id(plan))
         if found is None:
             found = self._sites[id(plan)] = Sites.of(plan, self.stage)
         return found
 
-    def atom_modules(self, plan: Plan) -> list[nn.Module]:
+    def atom_modules(self, plan: CapturePlan) -> list[nn.Module]:
         """The modules of `plan`'s calls, given the dispatching call."""
         found = self._atoms.get(id(plan))
         if found is None:
@@ -103,13 +103,13 @@ class StageCell(nn.Module):
             self._atoms[id(plan)] = found
         return found
 
-    def atom_ids(self, plan: Plan) -> frozenset[int]:
+    def atom_ids(self, plan: CapturePlan) -> frozenset[int]:
         found = self._atom_ids.get(id(plan))
         if found is None:
             found = self._atom_ids[id(plan)] = frozenset(map(id, self.atom_modules(plan)))
         return found
 
-    def side_calls(self, plan: Plan) -> set[int]:
+    def side_calls(self, plan: CapturePlan) -> set[int]:
         """The calls whose placeholders must run again each time: the glue reads outputs of
         modules inside them (recorded by the model's own hooks, which then run alike)."""
         found = self._sides.get(id(plan))
@@ -117,7 +117,7 @@ class StageCell(nn.Module):
             found = self._sides[id(plan)] = set(plan.side_calls)
         return found
 
-    def _hook_side_outputs(self, plan: Plan) -> None:
+    def _hook_side_outputs(self, plan: CapturePlan) -> None:
         """Hooks on the real modules whose outputs this stage takes from inside its atoms."""
         for key in plan.takes(self.stage):
             value = plan.values[key]
@@ -136,7 +136,7 @@ class StageCell(nn.Module):
             if full in names:
                 module.register_forward_hook(_side_hook(self, full, deliver=True), prepend=True)
 
-    def substitutes(self, plan: Plan) -> dict[int, Tensor]:
+    def substitutes(self, plan: CapturePlan) -> dict[int, Tensor]:
         """The model's tensors its glue reads that this stage holds another copy of (a
         replica on its device, a tensor given memory here): model's (by id) -> stage's."""
         found: dict[int, Tensor] = {}
@@ -195,7 +195,7 @@ class StageCell(nn.Module):
         return {key: captured[key] for key in self.passes}
 
 
-def _side_hook(cell: StageCell, name: str, deliver: bool) -> Callable[..., Any]:
+def _side_hook(cell: CapturedCell, name: str, deliver: bool) -> Callable[..., Any]:
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         run = current()
         if not isinstance(run, StageRun) or run.cell is not cell:
@@ -225,7 +225,7 @@ def _skip_name(key: str, consumer: int) -> str:
     return f"{key}>{consumer}"
 
 
-def _inputs(plan: Plan, received: dict[str, Tensor | None]
+def _inputs(plan: CapturePlan, received: dict[str, Tensor | None]
             ) -> tuple[list[Any], dict[str, Any], dict[str, Tensor]]:  # fmt: skip
     tensors = {n: received[plan.input_key(n)] for n in plan.tensor_inputs}
     values = dict(plan.constant_inputs)
@@ -244,7 +244,7 @@ def _checked_output(output: Any) -> Any:
     return output
 
 
-def stage_cells(model: nn.Module, plans: Plans) -> list[nn.Module]:
+def captured_cells(model: nn.Module, plans: CapturePlans) -> list[nn.Module]:
     """The model's stages as cells (each a class of its own, declaring its skips); tensors of
     the model that no stage holds (a module the forward never calls) go with stage 0, so
     that nothing of the model is lost."""
@@ -264,6 +264,6 @@ def stage_cells(model: nn.Module, plans: Plans) -> list[nn.Module]:
         cls = skippable(
             stash=[_skip_name(r.key, t) for r, t in produced],
             pop=[_skip_name(r.key, k) for r in consumed],
-        )(StageCell)
+        )(CapturedCell)
         cells.append(cls(model, plans, k, extra if k == 0 else []))
     return cells
