@@ -2,39 +2,35 @@
 
 from __future__ import annotations
 
-import operator
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from gpipe_fast.api import live_pipes, optim_state, state_dict
 from gpipe_fast.api.auto import AutoPipe, SequentialBuilder, TuneOptions
 from gpipe_fast.api.builder import LayerKind, PipeBuilder
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
 from gpipe_fast.api.naming import Naming
-from gpipe_fast.arguments import REDUCTIONS, check_loss_arguments, check_timeout
+from gpipe_fast.api.pipe_module import Device, PipeModule
+from gpipe_fast.api.pipe_reports import PipeReports
+from gpipe_fast.api.step_loss import identity_loss, identity_train_step, loss_reduction
+from gpipe_fast.arguments import check_loss_arguments, check_timeout
 from gpipe_fast.distributed import beside
-from gpipe_fast.distributed.transports.choice import TransportChoice
-from gpipe_fast.nn.items import Counting, ItemMean, check_items_given, count_items
+from gpipe_fast.nn.items import Counting, ItemMean
 from gpipe_fast.nn.materialize import InitFn
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.runtime.autograd_call import autograd_call
 from gpipe_fast.runtime.context import LossFn
-from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
 from gpipe_fast.runtime.step_path import run_step
 from gpipe_fast.runtime.step_request import StepRequest
-from gpipe_fast.runtime.timeline import Timeline
-
-Device = torch.device | str | int
 
 
-class GPipe(nn.Module):
+class GPipe(PipeReports, PipeModule):
     """Wraps an nn.Sequential for GPipe training.
 
     The module is cut into ``len(balance)`` cells, cell k on ``devices[k]``; each mini-batch
@@ -180,38 +176,6 @@ class GPipe(nn.Module):
         return self._naming.fqn_modifiers(self.partitions)
 
     @property
-    def threads_reason(self) -> str:
-        """Why ``threads_per_cell`` is what it is: your setting (``threads_per_cell=``,
-        OMP_NUM_THREADS, ``torch.set_num_threads``), which is never overridden, or the
-        host's cores shared among the CPU cells (one process) or among the job's processes
-        on this host (each rank tells the others its host name when the pipe is built)."""
-        return self._threads.reason
-
-    @property
-    def transport_kind(self) -> str:
-        """How tensors travel between this pipe's processes: "shared memory" between ranks
-        of one host whose cells run on the CPU, else the process group's backend ("gloo",
-        "nccl"; "shared memory and gloo" when some ranks share a host and others do not),
-        or "in process" for a pipe of one process. GPIPE_FAST_TRANSPORT=gloo (on any rank)
-        keeps CPU tensors on gloo. :attr:`transport_reason` says why."""
-        return self._transport().media
-
-    @property
-    def transport_reason(self) -> str:
-        """Why :attr:`transport_kind` is what it is."""
-        return self._transport().reason
-
-    def _transport(self) -> TransportChoice:
-        if self._pipeline is None:
-            return TransportChoice("in process", "the pipe has no cells")
-        return self._pipeline.transport
-
-    @property
-    def threads_per_cell(self) -> int | None:
-        """Intra-op threads of each CPU cell's worker (None: PyTorch's own setting)."""
-        return self._threads.per_cell
-
-    @property
     def step_timeout(self) -> float | None:
         """Seconds the forward or the backward phase of a step may take (None: no limit).
 
@@ -299,7 +263,7 @@ class GPipe(nn.Module):
         reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
-            return _identity_train_step(input, target, loss_fn, counting)
+            return identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
         if self._auto is not None:  # tunes at a new input signature (may rebuild the cells)
             self._auto.before_step(self, input, target, loss_fn, reduction)
@@ -422,7 +386,7 @@ class GPipe(nn.Module):
         if pipeline is None:  # no cells: the loss of the input itself
             check_loss_arguments(loss_fn, reduction)
             with torch.no_grad():
-                return _identity_loss(input, target, loss_fn, counting)
+                return identity_loss(input, target, loss_fn, counting)
         self._check_initialised()
         evaluate = StepRequest(
             "evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction, counting=counting
@@ -432,31 +396,8 @@ class GPipe(nn.Module):
     def _loss_reduction(
         self, reduction: object, target: Any, num_items_in_batch: object
     ) -> tuple[str, Counting | None]:
-        """A step's reduction as the runtime takes it: "mean" or "sum", or how to count the
-        items of an items mean (gf.ItemMean: in the target)."""
-        given = check_items_given(num_items_in_batch)
-        if isinstance(reduction, ItemMean):
-            return "mean", Counting("target", reduction.counter(), given)
-        if given is not None:
-            raise ValueError(
-                f"num_items_in_batch divides a mean over counted items, but reduction is "
-                f"{reduction!r}: give reduction=gf.ItemMean()"
-            )
-        if reduction not in REDUCTIONS:
-            raise ValueError(
-                f"reduction must be one of {REDUCTIONS} or a gpipe_fast.ItemMean, got {reduction!r}"
-            )
-        return str(reduction), None
-
-    def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Runs a step; while recording, keeps how long the call took (its own work around
-        its tasks, for gf.plan(calibrate=...))."""
-        assert self._pipeline is not None
-        start = time.perf_counter()
-        loss = run()
-        if self._pipeline.recording:
-            self._pipeline.recorded_call_s = time.perf_counter() - start
-        return loss
+        """A step's reduction as the runtime takes it (see api/step_loss.py)."""
+        return loss_reduction(reduction, num_items_in_batch)
 
     def _check_initialised(self) -> None:
         """Refuses to run while a tensor built on the meta device holds no values yet. A
@@ -465,118 +406,12 @@ class GPipe(nn.Module):
         if self._pipeline is None or self._pipeline.cross is None:
             self._unfilled.check()
 
-    def record_timeline(self, on: bool = True) -> None:
-        """Records when each task of the next steps starts and ends (off by default: then
-        nothing is timed). Turning it off also forgets the recorded step.
-
-        CPU cells are timed on the host, CUDA cells by CUDA events on their streams (see
-        :class:`~gpipe_fast.TaskSpan`). While on, each phase reads its CUDA events when its
-        run ends, so ``pipe(x)`` and the backward return once the GPU has finished them."""
-        if self._pipeline is not None:  # an empty pipe runs no tasks to record
-            self._pipeline.set_recording(bool(on))
-
-    def timeline(self) -> Timeline:
-        """The task timeline of the last step run with recording on: its forward (``pipe(x)``)
-        and, once ``loss.backward()`` has run, its backward."""
-        if self._pipeline is None:
-            raise RuntimeError("gpipe_fast: an empty pipe has no cells, so no timeline")
-        if not self._pipeline.recording:
-            raise RuntimeError(
-                "gpipe_fast: timeline recording is off; call pipe.record_timeline() before "
-                "the step to record"
-            )
-        recorded = self._pipeline.recorded
-        if recorded is None:
-            raise RuntimeError(
-                "gpipe_fast: no step has run since pipe.record_timeline(); run pipe(x) "
-                "(and its backward) or pipe.train_step(...) first"
-            )
-        return Timeline.from_runs(
-            [
-                (phase, *recorded[phase])
-                for phase in ("forward", "backward", "step")
-                if phase in recorded
-            ],
-            clocks=self._pipeline.executor.worker_clocks(),
-            schedule=self.schedule if "step" in recorded else "gpipe",
-            call_s=self._pipeline.recorded_call_s if "step" in recorded else 0.0,
-            whole_backward=self._pipeline.whole_backward_cells() if "step" in recorded else (),
-        )
-
-    def memory_stats(self) -> list[CellMemoryStats]:
-        """Memory facts per cell, one dict each, in cell order:
-
-        - ``stash_bytes``: bytes of the cell inputs stashed by the steps now alive (from
-          ``pipe(x)`` until their backward has passed the cell), each storage counted once;
-          on cell 0 that is the storage of the input itself when it is already on the cell's
-          device (micro-batches are views of it).
-        - ``recompute_peak_bytes``: with ``recompute_pool=True``, the highest bytes the
-          cell's re-materialisation has held from its native pool (segments PyTorch's caching
-          allocator took for that cell's MemPool); None otherwise and on CPU cells.
-        - ``torch_peak_allocated_bytes``: ``torch.cuda.max_memory_allocated`` of the cell's
-          device (shared by the cells on one device; reset it with
-          ``torch.cuda.reset_peak_memory_stats``); None for a CPU cell.
-        """
-        return [] if self._pipeline is None else memory_stats(self._pipeline)
-
     def close(self) -> None:
         """Joins the worker threads and gives the recompute pools' memory back; the pipe
         cannot run afterwards."""
         if self._pipeline is not None:
             self._pipeline.close()
         live_pipes.discard(self)
-
-    def _cells(self) -> list[nn.Sequential]:
-        return cast(list[nn.Sequential], list(self.partitions))
-
-    def __len__(self) -> int:
-        return sum(len(cell) for cell in self._cells())
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        for cell in self._cells():
-            yield from cell
-
-    def __getitem__(self, index: int) -> nn.Module:
-        """The layer at `index` of the wrapped module (negative from the end), whichever cell
-        holds it."""
-        try:
-            position = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"GPipe layer indices must be integers, got {type(index).__name__}"
-            ) from None
-        layers = list(self)
-        if not -len(layers) <= position < len(layers):
-            raise IndexError(f"layer index {index} is out of range for {len(layers)} layers")
-        return layers[position]
-
-    # Moving is denied: each cell must stay on its own entry of self.devices, which the
-    # workers, streams and boundary copies were built for. Casting dtypes is allowed.
-    def cuda(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("cuda()")
-
-    def cpu(self) -> NoReturn:
-        _deny_moving("cpu()")
-
-    def xpu(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("xpu()")
-
-    def ipu(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("ipu()")
-
-    def mtia(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("mtia()")
-
-    def to_empty(self, *, device: Device | None, recurse: bool = True) -> NoReturn:
-        _deny_moving("to_empty()")
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Casts (``to(torch.float64)``, ``to(dtype=...)``, ``to(memory_format=...)``); a
-        device or a tensor to move to raises TypeError."""
-        move = _move_in_to(args, kwargs)
-        if move is not None:
-            _deny_moving(move)
-        return super().to(*args, **kwargs)
 
     def extra_repr(self) -> str:
         devices = [str(d) for d in self.devices]
@@ -586,38 +421,6 @@ class GPipe(nn.Module):
             + (f", schedule={self.schedule!r}" if self.schedule != "gpipe" else "")
         )
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
-        raise TypeError(
-            "a GPipe owns worker threads and cannot be deep-copied; copy the "
-            "wrapped module and build a new GPipe"
-        )
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "a GPipe cannot be pickled; save pipe.state_dict() instead (it has "
-            "the original module's keys)"
-        )
-
-
-def _move_in_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """How a call to Module.to(*args, **kwargs) would move the pipe, or None for a cast."""
-    if "tensor" in kwargs or (args and isinstance(args[0], Tensor)):
-        return "to(tensor)"
-    if "device" in kwargs or (
-        args and isinstance(args[0], (torch.device, str, int)) and not isinstance(args[0], bool)
-    ):
-        return "to(device)"
-    return None
-
-
-def _deny_moving(call: str) -> NoReturn:
-    raise TypeError(
-        f"pipe.{call}: a GPipe cannot be moved: each cell lives on its entry of pipe.devices, "
-        "where its worker and streams run it, and moving would put the weights out of step "
-        "with pipe.devices. To use other devices, build a new GPipe with devices=[...]; "
-        "casting (pipe.half(), pipe.to(torch.float64)) is allowed"
-    )
-
 
 def _naming_of(pipe: GPipe) -> Naming:
     return pipe._naming
@@ -626,31 +429,6 @@ def _naming_of(pipe: GPipe) -> Naming:
 def _mark_loaded(pipe: GPipe, keys: set[str]) -> None:
     """Tensors a state dict loaded count as initialised."""
     pipe._unfilled.loaded(keys)
-
-
-def _identity_loss(
-    input: Value | None, target: Any, loss_fn: LossFn, counting: Counting | None = None
-) -> torch.Tensor:
-    """The loss of an empty pipe: that of the input itself (an items mean divided by the
-    count given instead of its own, with num_items_in_batch)."""
-    as_tensors(input, "input")
-    loss = loss_fn(input, target)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
-    if counting is not None and counting.given is not None and counting.count is not None:
-        (items,) = count_items(counting.count, [target])
-        loss = loss * (items / counting.given) if items else torch.zeros_like(loss)
-    return loss
-
-
-def _identity_train_step(
-    input: Value, target: Any, loss_fn: LossFn, counting: Counting | None = None
-) -> torch.Tensor:
-    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
-    loss = _identity_loss(input, target, loss_fn, counting)
-    if loss.requires_grad:
-        loss.backward()
-    return loss.detach()
 
 
 def pipeline_of(pipe: GPipe) -> Pipeline | None:
