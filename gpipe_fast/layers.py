@@ -68,8 +68,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("api",),
-        "`GPipe`, `gf.pipeline`, clipping, the loss scaler, state-dict hooks, device defaults, "
-        'live pipes, what "auto" tunes and the pipes it rebuilds',
+        "`GPipe`, a facade over its builder (layout, cells, meta tensors, ties, threads) and "
+        "its naming (the model's keys), `gf.pipeline`, clipping, the loss scaler, state-dict "
+        'hooks, device defaults, live pipes, what "auto" tunes and the pipes it rebuilds',
     ),
     Layer(
         ("planning",),

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from gpipe_fast.api import optim_state
 from gpipe_fast.api.auto import AutoPipe, Tuned, check_tunable
 from gpipe_fast.api.auto_model import ModelBuilder
+from gpipe_fast.api.builder import LayerKind
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.model_items import model_loss
 from gpipe_fast.api.rank_saves import warn_on_rank_saves
@@ -36,8 +37,6 @@ class ModelPipe(GPipe):
     micro-batch, and ``target`` may be None (a model that computes its own loss from its
     inputs' labels: ``loss_fn=lambda out, _: out.loss``)."""
 
-    _transparent_layers = True
-    _shared_buffers = True
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
     _last_stage: Any  # the last stage's cell, which computes the model's own loss
     _model: nn.Module  # the model (not registered: the cells hold its parts)
@@ -52,7 +51,7 @@ class ModelPipe(GPipe):
         aliases = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases[name] = first_names.setdefault(id(param), name)
-        # Compared across the ranks at build (GPipe._agree_across_ranks), before any cell is.
+        # Compared across the ranks at build (see _layer_kind), before any cell is.
         self.__dict__["_given_split_points"] = list(split_points)
         self.__dict__["_model"] = model  # not a submodule: the cells hold its parts
         self.__dict__["_plans"] = plans
@@ -77,8 +76,11 @@ class ModelPipe(GPipe):
         if self.layout.multi_process:  # the model still holds the other ranks' stages
             warn_on_rank_saves(model, self, f"rank {self.layout.pp_index} of the pipe")
 
-    def _agreed_cut(self) -> dict[str, object]:
-        return {"split_points": self.__dict__["_given_split_points"]}
+    def _layer_kind(self) -> LayerKind:
+        """Its layers are the model's stages: left out of keys, sharing the buffers their
+        glue reads, cut at the split points (which the ranks compare)."""
+        cut = {"split_points": self.__dict__["_given_split_points"]}
+        return LayerKind(transparent=True, shared_buffers=True, cut=cut)
 
     @property
     def training(self) -> bool:
