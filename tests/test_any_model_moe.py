@@ -6,6 +6,7 @@ kernel that reads values on the host refused, naming the kernels that work."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -74,6 +75,37 @@ def test_the_auxiliary_router_loss_is_exact(points: list[str]) -> None:
         assert loss.item() == pytest.approx(want, rel=1e-6)
         assert _worst(pipe, plain) < 1e-12
         assert plain(**batch).aux_loss.item() > 0  # the auxiliary loss is there to compare
+    finally:
+        pipe.close()
+
+
+def test_the_default_loss_gives_the_router_loss_the_labels_shares_whatever_the_chunks() -> None:
+    """The default reduction (the model's own loss, counted by labels) with the router loss on:
+    each micro-batch's loss, its auxiliary part included, weighs its share of the labels, so
+    the token part is the whole batch's mean and the auxiliary part is not added once per
+    micro-batch (as num_items_in_batch would leave it: a weight growing with chunks)."""
+    model = _mixtral(torch.float64, "batched_mm", output_router_logits=True,
+                     router_aux_loss_coef=0.5)  # fmt: skip
+    plain = copy.deepcopy(model)
+    ids = torch.randint(2, VOCAB, (8, 12), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    for row, keep in enumerate([12, 3, 9, 5, 12, 2, 7, 12]):  # padding: shares differ
+        labels[row, keep:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    counts = [(part[:, 1:] != -100).sum().item() for part in labels.chunk(4)]
+    want = 0.0
+    for part_ids, part_labels, count in zip(ids.chunk(4), labels.chunk(4), counts, strict=True):
+        loss = plain(input_ids=part_ids, labels=part_labels).loss * count / sum(counts)
+        loss.backward()
+        want += loss.item()
+    pipe = gf.pipeline(model, {k: v[:2] for k, v in batch.items()}, ["model.layers.2"],
+                       devices=["cpu", "cpu"], chunks=4)  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # weighing is the exact way here: no warning
+            loss = pipe.train_step(batch, None, lambda out, _: out.loss)
+        assert loss.item() == pytest.approx(want, rel=1e-6)
+        assert _worst(pipe, plain) < 1e-12
     finally:
         pipe.close()
 

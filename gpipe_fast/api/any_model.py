@@ -253,8 +253,16 @@ class ModelPipe(GPipe):
                     f"the inputs hold no 'labels' (given: {present})"
                 )
 
-        takes_count = model_loss is not None and model_loss.takes_count
-        if model_loss is not None and count is not None and not takes_count:
+        # A router's auxiliary loss (MoE) is added whole to each micro-batch's loss, which
+        # num_items_in_batch would leave undivided: the step's loss would carry it once per
+        # micro-batch, its weight growing with chunks. Weighing each micro-batch's own mean
+        # by its labels' share instead keeps the token part exact and gives the auxiliary
+        # part the same shares, whatever the chunks.
+        router_loss = model_loss is not None and (
+            model_loss.router_loss or "output_router_logits" in present
+        )
+        takes_count = model_loss is not None and model_loss.takes_count and not router_loss
+        if model_loss is not None and count is not None and not takes_count and not router_loss:
             self._warn_count(model_loss.name)
         return Counting("input", count, given, self._tell_count if takes_count else None)
 
