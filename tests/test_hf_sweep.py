@@ -1,7 +1,7 @@
 """bench/hf_sweep.py: gf.pipeline over transformers' auto mappings, split anywhere, in float64.
-The fast suite sweeps a few architectures of each family; the full suite sweeps them all and
-holds the targets: no case off, no error that is not the library's own refusal, at least 90%
-of the decoder LMs that run exact at every split."""
+The fast suite sweeps one architecture (LLaMA); the full suite sweeps a few of each family,
+then them all, and holds the targets: no case off, no error that is not the library's own
+refusal, at least 90% of the decoder LMs that run exact at every split."""
 
 from __future__ import annotations
 
