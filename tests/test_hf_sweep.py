@@ -1,6 +1,7 @@
 """bench/hf_sweep.py: gf.pipeline over transformers' auto mappings, split anywhere, in float64.
-A few architectures in the fast suite, a wider sample against the sweep's targets (no case
-off, no error that is not the library's own refusal) in the full one, and the targets' check."""
+One architecture in the fast suite (LLaMA), the others of a few and a wider sample against
+the sweep's targets (no case off, no error that is not the library's own refusal) in the full
+one, and the targets' check."""
 
 from __future__ import annotations
 
