@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpipe_fast.distributed.transports import wire
+from gpipe_fast.transport import wire
 
 CPU = torch.device("cpu")
 

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every step's in-process transport counts what it hands on (make_transport looks the
     # class up in its module at each step).
-    import gpipe_fast.distributed.transports.registry as registry
+    import gpipe_fast.transport.processes.registry as registry
 
     registry.LocalTransport = _Counting  # type: ignore[misc]
 

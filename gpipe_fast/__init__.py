@@ -25,7 +25,7 @@ from gpipe_fast.balancing.balance import (
     balance_by_time,
     partition,
 )
-from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.checkpoint import is_checkpointing, is_recomputing
 from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.planning.entry import plan

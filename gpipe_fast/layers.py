@@ -19,8 +19,9 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer(
-        ("_C", "arguments", "layers"),
-        "the native core; argument checks shared by every layer; this list",
+        ("_C", "arguments", "errors", "layers"),
+        "the native core; argument checks shared by every layer; the errors a step raises "
+        "wherever it runs; this list",
     ),
     Layer(
         ("nn", "device", "skip"),
@@ -30,25 +31,35 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("capture",),
-        "any model cut into stages, untraced: its forward's module calls found, planned and split",
+        "any model cut into stages, untraced: its forward's module calls found, planned and "
+        "split, every value that crosses stages keyed by what makes it and checked as it is put",
     ),
     Layer(
         ("schedule",),
         "the registry of schedule kinds and actions (read from `_C`), each pipe's schedule cache",
     ),
-    Layer(("transport",), "the `Transport` protocol, the in-process transport"),
     Layer(
-        ("distributed",),
+        ("pictures",),
+        "pictures of a step's timeline: what they show, drawn as PNG or SVG, or written as a "
+        "Chrome trace",
+    ),
+    Layer(
+        ("transport",),
+        "the transports, in one home: the `Transport` protocol, the in-process transport, the "
+        "wire format and the media's choice (the transport across processes, "
+        "`transport/processes/`, sits with `distributed/`, whose guard and layout it uses)",
+    ),
+    Layer(
+        ("distributed", "transport.processes"),
         "process layouts, the ranks' agreement at build, the guard of every wait, process "
         "groups, gradient reductions, sharded stages and their guarded collectives, the "
-        "transport across processes and its media (`distributed/transports/`), the "
-        "cross-process side of the step path",
+        "cross-process side of the step path; the transport across processes and its media",
     ),
     Layer(
         ("runtime",),
         "each stage's lasting cell, the pipeline (composition root), the step path and its "
         "one-process side, `pipe(x)` through autograd, the runner (phase drivers), a step's "
-        "state and dispatch, the `Stage`, the autograd bridge, timelines and their pictures, "
+        "state and dispatch, the `Stage`, the autograd bridge, timelines, "
         "memory",
     ),
     Layer(
@@ -57,8 +68,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         ("api",),
-        "`GPipe`, `gf.pipeline`, clipping, the loss scaler, state-dict hooks, device defaults, "
-        'live pipes, what "auto" tunes and the pipes it rebuilds',
+        "`GPipe`, a facade over its builder (layout, cells, meta tensors, ties, threads) and "
+        "its naming (the model's keys), `gf.pipeline`, clipping, the loss scaler, state-dict "
+        'hooks, device defaults, live pipes, what "auto" tunes and the pipes it rebuilds',
     ),
     Layer(
         ("planning",),

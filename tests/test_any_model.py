@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -201,23 +202,6 @@ def test_bad_split_points_are_named() -> None:
         gf.pipeline(model, example, ["unused"])
 
 
-class _Scaled(nn.Module):
-    """Glue with a parameter of its own, used between its submodules."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x) * self.scale)
-
-
-def test_glue_with_parameters_of_its_own_is_refused_naming_them() -> None:
-    with pytest.raises(ValueError, match="holds scale itself"):
-        gf.pipeline(_Scaled(), torch.randn(2, 4), ["b"])
-
-
 class _ReadsAValue(nn.Module):
     """Glue that reads a tensor's value on the host, between the stages' modules."""
 
@@ -350,3 +334,157 @@ def test_dropout_is_replayed_when_a_stage_recomputes() -> None:
     for key, grad in grads[0].items():
         # Not bitwise: the tied embedding sums its two stages' gradients in either order.
         assert cases.relative(grads[1][key], grad) < EXACT, key
+
+
+# -- split anywhere -----------------------------------------------------------------------------
+
+SPLITS_ANYWHERE = {
+    "the head": ["lm_head"],
+    "the final norm": ["model.norm"],
+    "the first layer": ["model.layers.0"],
+    "inside a layer, its MLP": ["model.layers.2.mlp"],
+    "inside a layer, its attention": ["model.layers.3.self_attn"],
+    "everywhere at once": ["model.layers.0", "model.layers.1.mlp", "model.norm", "lm_head"],
+}
+
+
+@pytest.mark.parametrize("points", list(SPLITS_ANYWHERE.values()), ids=list(SPLITS_ANYWHERE))
+def test_any_module_the_forward_calls_is_a_split_point(points: list[str]) -> None:
+    stages = len(points) + 1
+
+    def make(model: nn.Module, example: dict[str, Any]) -> Any:
+        return gf.pipeline(model, example, points, chunks=3, devices=["cpu"] * stages,
+                           schedule="1f1b")  # fmt: skip
+
+    _check([cases.train_against_plain("llama", make, SHAPES)], "llama")
+
+
+@pytest.mark.parametrize("model_name", ["bart", "opt"])
+def test_a_split_at_the_first_decoder_layer_is_exact(model_name: str) -> None:
+    from transformers import BartConfig, BartForConditionalGeneration, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    if model_name == "bart":
+        model = BartForConditionalGeneration(BartConfig(
+            vocab_size=cases.VOCAB, d_model=16, encoder_layers=2, decoder_layers=2,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, max_position_embeddings=32, use_cache=False, dropout=0.0,
+        )).double()  # fmt: skip
+        point = "model.decoder.layers.0"
+        batch = {"input_ids": cases.tokens(6, 9, 1), "decoder_input_ids": cases.tokens(6, 7, 2)}
+    else:
+        model = OPTForCausalLM(OPTConfig(
+            vocab_size=cases.VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=4,
+            ffn_dim=32, max_position_embeddings=32, word_embed_proj_dim=16, dropout=0.0,
+            use_cache=False,
+        )).double()  # fmt: skip
+        point = "model.decoder.layers.0"
+        batch = {"input_ids": cases.tokens(6, 9, 1)}
+    plain = copy.deepcopy(model)
+    target = batch.get("decoder_input_ids", batch["input_ids"])
+    pipe = gf.pipeline(model, {k: v[:2] for k, v in batch.items()}, [point],
+                       devices=["cpu", "cpu"], chunks=3)  # fmt: skip
+    try:
+        loss = pipe.train_step(batch, target, cases.any_loss)
+        want = cases.any_loss(plain(**batch), target)
+        want.backward()
+        assert loss.item() == pytest.approx(want.item(), rel=EXACT)
+        grads = dict(plain.named_parameters())
+        # BART's shared embedding and its top-level final_logits_bias buffer: the plain names.
+        names = [n for n, _ in pipe.named_parameters()]
+        assert sorted(names) == sorted(grads)
+        floor = 1e-6 * torch.stack([p.grad.norm() for p in grads.values()]).norm().item()
+        for name, param in pipe.named_parameters():
+            assert cases.relative(param.grad, grads[name].grad, floor) < EXACT, name
+        assert set(pipe.state_dict()) == set(plain.state_dict())
+    finally:
+        pipe.close()
+
+
+# -- errors that say where ---------------------------------------------------------------------
+
+
+def test_zbv_with_devices_its_stages_leave_unused_says_so() -> None:
+    model = cases.llama()
+    example = {"input_ids": cases.tokens(2, 8, 0)}
+    with pytest.warns(UserWarning, match=r"zbv schedule runs 2 stages per device, so 2 stages "
+                      r"use 1 of the 2 devices given \(\[.cpu.\]\)"):  # fmt: skip
+        pipe = gf.pipeline(model, example, ["model.layers.2"], devices=["cpu", "cpu"],
+                           schedule="zbv")  # fmt: skip
+    pipe.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe = gf.pipeline(model, example, ["model.layers.2"], devices=["cpu"], schedule="zbv")
+    pipe.close()
+
+
+def test_a_kv_cache_in_the_output_is_refused_with_the_use_cache_advice() -> None:
+    model = cases.llama()
+    assert model.config.use_cache
+    pipe = gf.pipeline(model, {"input_ids": cases.tokens(2, 8, 0)}, ["model.layers.2"],
+                       devices=["cpu", "cpu"], chunks=2)  # fmt: skip
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match=r"DynamicCache.*use_cache=False"):
+            pipe(input_ids=cases.tokens(4, 8, 1))
+    finally:
+        pipe.close()
+
+
+def names_across(rank: int, world: int, *, model: str) -> list[str]:
+    """A Cluster case: this rank's named_parameters() at pp=2 (GPT-2 or OPT, whose head is
+    tied to the embedding of the other rank)."""
+    from dist_cases import groups
+    from transformers import OPTConfig, OPTForCausalLM
+
+    pp_group, _, _ = groups(2, 1)
+    if model == "opt":
+        net = OPTForCausalLM(OPTConfig(
+            vocab_size=cases.VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=4,
+            ffn_dim=32, max_position_embeddings=32, word_embed_proj_dim=16, use_cache=False,
+        ))  # fmt: skip
+        point = "model.decoder.layers.2"
+    else:
+        net, point = cases.gpt2(), "transformer.h.2"
+    pipe = gf.pipeline(net, {"input_ids": cases.tokens(2, 8, 0)}, [point], pp_group=pp_group,
+                       timeout=60)  # fmt: skip
+    try:
+        return [name for name, _ in pipe.named_parameters()]
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("model", ["gpt2", "opt"])
+def test_every_rank_names_a_tied_parameter_as_the_plain_model(two: Cluster, model: str) -> None:
+    ranks = values(two.run("test_any_model.names_across", model=model))
+    embedding = {"gpt2": "transformer.wte.weight", "opt": "model.decoder.embed_tokens.weight"}
+    for names in ranks:  # the head's rank holds the embedding only as the tied head
+        assert embedding[model] in names and "lm_head.weight" not in names
+    assert len(ranks[0]) + len(ranks[1]) == len(set(ranks[0]) | set(ranks[1])) + 1
+
+
+def refused_everywhere(rank: int, world: int) -> str:
+    """A Cluster case: OPT at pp2 x dp2 with zbv and dp_shard, whose tied embedding and head
+    fall on one process of each pipeline: the refusal (every rank's)."""
+    from dist_cases import groups
+    from transformers import OPTConfig, OPTForCausalLM
+
+    pp_group, dp_group, _ = groups(2, 2)
+    net = OPTForCausalLM(OPTConfig(
+        vocab_size=cases.VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=4,
+        ffn_dim=32, max_position_embeddings=32, word_embed_proj_dim=16, use_cache=False,
+    ))  # fmt: skip
+    points = [f"model.decoder.layers.{i}" for i in (1, 2, 3)]
+    try:
+        gf.pipeline(net, {"input_ids": cases.tokens(2, 8, 0)}, points, schedule="zbv",
+                    pp_group=pp_group, dp_group=dp_group, dp_shard=True, timeout=30)  # fmt: skip
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_a_refusal_at_build_is_every_ranks_with_the_models_names(four: Cluster) -> None:
+    messages = values(four.run("test_any_model.refused_everywhere"))
+    assert len(set(messages)) == 1, messages
+    (message,) = set(messages)
+    assert message.startswith("dp_shard: a weight tied between two cells of one process")
+    assert "model.decoder.embed_tokens.weight" in message and "stage0" not in message

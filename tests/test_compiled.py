@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 import gpipe_fast as gf
 from gpipe_fast.nn.compiled import holds_compiled, is_compiled, uncompile
-from gpipe_fast.runtime.picture import hover
+from gpipe_fast.pictures.content import hover
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"]
 MODES = ["except_last", "never", "always"]

@@ -1,7 +1,12 @@
-"""Builds the host-only C++ core with its unit tests (CMake + Ninja) and runs them via ctest."""
+"""Builds the host-only C++ core with its unit tests (CMake + Ninja) and runs them, plainly and
+under the sanitizers. A build is cached by the digest of what it is built from (the C++
+sources, CMakeLists.txt, the flags and the compiler's version) in ~/.cache/gpipe_fast/cpp-tests
+(or $XDG_CACHE_HOME's): a fresh clone of unchanged sources runs the cached binary instead of
+compiling the core twice (a minute of CI)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -65,24 +70,47 @@ def _build(cmake: str, build: Path) -> None:
     assert compiled.returncode == 0, f"cmake build failed:\n{compiled.stdout}\n{compiled.stderr}"
 
 
-@pytest.fixture(scope="module")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    build = tmp_path_factory.mktemp("cpp-build")
-    _build(_configure(build), build)
-    return build
+def _digest(*flags: str) -> str:
+    """What a build's binary depends on: every file it is built from, the flags, the tools."""
+    digest = hashlib.sha256()
+    sources = [
+        REPO / "CMakeLists.txt",
+        *(REPO / "csrc").rglob("*"),
+        *(REPO / "tests/cpp").rglob("*"),
+    ]
+    for path in sorted(p for p in sources if p.is_file()):
+        digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    compiler = os.environ.get("CXX") or shutil.which("c++") or "c++"
+    for tool in (_tool("cmake"), compiler):
+        digest.update(_run([tool, "--version"], timeout=60).stdout.encode())
+    digest.update("\0".join(flags).encode())
+    return digest.hexdigest()[:24]
 
 
-def test_cpp_unit_tests_pass(build_dir: Path) -> None:
-    ctest = shutil.which("ctest")
-    if ctest is not None:
-        # -V shows the test binary's own output (its "N passed, M failed" line) on success too.
-        result = _run(
-            [ctest, "--output-on-failure", "-V", "--timeout", "120"],
-            timeout=180,
-            cwd=build_dir,
-        )
-    else:
-        result = _run([str(build_dir / TEST_BINARY)], timeout=120)
+def _cached_binary(scratch: Path, *flags: str) -> Path:
+    """The unit tests' binary built with `flags`: from the cache, or built in `scratch` and
+    cached (skips when a sanitizer build's compiler cannot link the sanitizers)."""
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpipe_fast/cpp-tests"
+    )
+    binary = cache / _digest(*flags) / TEST_BINARY
+    if binary.is_file():
+        return binary
+    cmake = _configure(scratch, *flags)
+    if "-DGPIPE_FAST_SANITIZE=ON" in flags and not _sanitizers_link(scratch):
+        pytest.skip("the C++ compiler cannot build with -fsanitize=address,undefined")
+    _build(cmake, scratch)
+    # Copied under a name of its own and renamed: a concurrent run never sees half a binary.
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{TEST_BINARY}.{os.getpid()}")
+    shutil.copy2(scratch / TEST_BINARY, partial)
+    partial.replace(binary)
+    return binary
+
+
+def test_cpp_unit_tests_pass(tmp_path: Path) -> None:
+    binary = _cached_binary(tmp_path / "cpp-build")
+    result = _run([str(binary)], timeout=180, cwd=tmp_path)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"C++ unit tests failed:\n{output}"
     assert " 0 failed" in output, output
@@ -117,19 +145,17 @@ def _sanitizers_link(build: Path) -> bool:
 def test_cpp_unit_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
     # The executor's threads, the schedule and the partitioner under AddressSanitizer (with
     # its leak checker) and UndefinedBehaviorSanitizer: any report fails the test.
-    build = tmp_path / "cpp-sanitize"
-    cmake = _configure(build, "-DGPIPE_FAST_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug")
-    if not _sanitizers_link(build):
-        pytest.skip("the C++ compiler cannot build with -fsanitize=address,undefined")
-    _build(cmake, build)
+    binary = _cached_binary(
+        tmp_path / "cpp-sanitize", "-DGPIPE_FAST_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"
+    )
     env = {
         **os.environ,
         "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:halt_on_error=1",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     }
     result = subprocess.run(
-        [str(build / TEST_BINARY)],
-        cwd=build,
+        [str(binary)],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,

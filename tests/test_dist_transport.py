@@ -12,7 +12,7 @@ from cluster import Cluster, values
 from torch import nn
 
 from gpipe_fast import _C
-from gpipe_fast.distributed.transports import wire
+from gpipe_fast.transport import wire
 
 SEED = 11
 BATCHES = [7, 12]  # uneven, then even micro-batches (chunks=3)

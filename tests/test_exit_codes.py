@@ -2,46 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from jobs import run_job
 
 CASE = str(Path(__file__).with_name("exit_case.py"))
 EXPECTED = {"raise": 1, "destroy": 1, "exit3": 3}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_job(failing: int, ending: str) -> list[tuple[int, str]]:
     """Both ranks of a job over gloo, rank 0 hosting the TCP store: (exit code, stderr)."""
-    port = _free_port()
-    ranks = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo",
-                   OMP_NUM_THREADS="1")  # fmt: skip
-        ranks.append(
-            subprocess.Popen([sys.executable, CASE, str(failing), ending], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        )  # fmt: skip
-    results = []
-    for process in ranks:
-        try:
-            _, err = process.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for p in ranks:
-                p.kill()
-            pytest.fail(f"a rank of job (failing={failing}, {ending}) hung at exit")
-        results.append((process.returncode, err))
-    return results
+    ended = run_job(CASE, 2, str(failing), ending, timeout_s=90)
+    return [(rank.code, rank.stderr) for rank in ended]
 
 
 # 24 failed steps (3 in the fast suite): the failing rank is the store's host or not, and each

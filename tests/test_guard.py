@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 from cluster import Cluster, values
 
-from gpipe_fast.distributed import guard as guard_module
+from gpipe_fast.distributed import waiters
 from gpipe_fast.distributed.guard import Guard, PeerFailure, _cause, _first_line
 
 
@@ -42,7 +42,9 @@ def test_a_completed_wait_returns() -> None:
     guard = Guard(_store(), "pipe", rank=0, timeout_s=30)
     request = _Request()
     threading.Timer(0.1, request.released.set).start()
-    guard.wait(request, "an activation", peer=1)  # returns once the request completes
+    guard.wait(request, "an activation", peer=1)
+    assert request.released.is_set()  # it returned once the request completed, not before
+    guard.check()  # and no failure was reported on the way
 
 
 def test_another_ranks_failure_ends_the_wait() -> None:
@@ -128,8 +130,8 @@ def test_a_helper_thread_that_cannot_start_fails_the_wait_at_once(
 ) -> None:
     # Under an address-space cap a thread may die as it starts: the wait that needed it
     # raises (the step fails on every rank) instead of waiting unserved until the timeout.
-    monkeypatch.setattr(guard_module, "THREAD_START_S", 0.2)
-    monkeypatch.setattr(guard_module._thread, "start_new_thread", lambda *args: 0)
+    monkeypatch.setattr(waiters, "THREAD_START_S", 0.2)
+    monkeypatch.setattr(waiters._thread, "start_new_thread", lambda *args: 0)
     guard = Guard(_store(), "pipe", rank=0, timeout_s=300)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="a thread to wait on another rank did not start"):

@@ -95,7 +95,8 @@ def table_rows() -> list[str]:
     def shown(name: str) -> str:
         if name == "_C":  # the native module: a built library, named as Python imports it
             return "`_C`"
-        return f"`{name}/`" if (PACKAGE / name).is_dir() else f"`{name}.py`"
+        path = name.replace(".", "/")
+        return f"`{path}/`" if (PACKAGE / path).is_dir() else f"`{path}.py`"
 
     return [f"| {', '.join(map(shown, layer.modules))} | {layer.holds} |" for layer in LAYERS]
 
@@ -134,12 +135,79 @@ def test_the_architecture_page_lists_the_layers() -> None:
     )
 
 
+# The cross-process side: only the composition root wires it in.
+CROSS_PROCESS = ("gpipe_fast.distributed", "gpipe_fast.transport.processes")
+COMPOSITION_ROOT = "gpipe_fast.runtime.pipeline"
+
+
+def _is_in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_only_the_composition_root_wires_in_the_cross_process_side() -> None:
+    # The one-process path (runtime/ but its composition root, and the layers below
+    # distributed/) imports nothing of distributed/ or the transport across processes, even
+    # inside a function or for type checking: what both sides use lives below runtime/.
+    wired = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        if not _is_in(module, ("gpipe_fast.runtime",)) or module == COMPOSITION_ROOT:
+            continue
+        wired += [
+            f"{module} imports {t}" for t in sorted(imported(path)) if _is_in(t, CROSS_PROCESS)
+        ]
+    assert not wired, "\n".join(wired)
+
+
+def test_the_pictures_have_a_room_of_their_own() -> None:
+    # The timeline draws itself through pictures/, a layer below runtime/; nothing else in
+    # the package draws (imports matplotlib, or a picture's modules).
+    assert layer_of("gpipe_fast.pictures.svg") < layer_of("gpipe_fast.runtime.timeline")
+    drawers = {"gpipe_fast.pictures", "gpipe_fast.runtime.timeline"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        if _is_in(module, tuple(drawers)) or module.startswith("gpipe_fast.demo"):
+            continue  # the demo only checks that matplotlib is there
+        text = path.read_text()
+        if "matplotlib" in text or any(_is_in(t, ("gpipe_fast.pictures",)) for t in imported(path)):
+            found.append(module)
+    assert not found, f"these draw outside pictures/: {found}"
+
+
+def test_the_cross_process_rule_sees_a_hidden_import(tmp_path: Path) -> None:
+    source = tmp_path / "fake.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from gpipe_fast.distributed.guard import Guard\n"
+        "def later():\n    from gpipe_fast.transport.processes import registry\n"
+    )
+    assert {t for t in imported(source) if _is_in(t, CROSS_PROCESS)} == {
+        "gpipe_fast.distributed.guard",
+        "gpipe_fast.transport.processes.registry",
+    }
+
+
 def test_every_module_opens_with_a_one_line_docstring() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
         assert docstring, f"{path} has no docstring"
         lines = docstring.splitlines()
         assert len(lines) == 1 or not lines[1].strip(), f"{path}: its summary is not one line"
+
+
+# Small files with one purpose: a module past this has grown a second one (issue 40 split the
+# facade, the trainer, the stage and the guard to get under it).
+MOST_LINES = 450
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MOST_LINES
+    }
+    assert not long, f"over {MOST_LINES} lines: {long}"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from gpipe_fast.runtime import picture
+from gpipe_fast.pictures import content as picture
 from gpipe_fast.runtime.timeline import TaskSpan, Timeline
 
 _SVG = "{http://www.w3.org/2000/svg}"
@@ -116,7 +116,7 @@ def test_the_chrome_trace_describes_each_task(tmp_path: Path) -> None:
 
 def test_the_png_labels_the_boxes_wide_enough_and_hatches_the_waits(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from gpipe_fast.runtime.plot import draw
+    from gpipe_fast.pictures.png import draw
 
     timeline = _two_ranks()
     figure = draw(timeline)

@@ -36,12 +36,15 @@ def test_pretrained_weights_load_into_a_model_built_on_meta(family: str, two: Cl
     reference = saved.state_dict()
     ranks = values(two.run("trainer_cases.pretrained_into_meta", family=family,
                            folder=str(tmp_path)))  # fmt: skip
-    for rank in ranks:
+    for index, rank in enumerate(ranks):
         assert rank["missing"] == []
         for key, tensor in rank["state"].items():
             assert torch.equal(tensor, reference[key]), key
-        # Each rank holds its stages only: the other stages' parameters never left meta.
-        assert rank["meta"] and not set(rank["meta"]) & set(rank["state"])
+        # Each rank holds its stages only: the other stages' parameters never left meta. The
+        # one exception: the rank of GPT-2's head holds the tied weight under the plain
+        # model's first name too (the embedding's), whose module there is another stage's.
+        tied = {"transformer.wte.weight"} if family == "gpt2" and index == 1 else set()
+        assert rank["meta"] and set(rank["meta"]) & set(rank["state"]) == tied
     # GPT-2's head, on the last rank, was read under the embedding's name: the only one saved.
     from safetensors import safe_open
 

@@ -170,8 +170,9 @@ def test_an_action_registered_from_python_links_runs_and_is_priced() -> None:
 def test_a_step_dispatches_a_registered_action_to_its_handler(make_pipe: Any) -> None:
     pipe = make_pipe(_model(2), [1, 1], devices=["cpu"] * 2)
     bare = schedules.register_action(next(_names), [Need([("forward", 0)])])
-    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
-                False)  # fmt: skip
+    pipeline = pipeline_of(pipe)
+    step = Step(pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+                False, transport=pipeline.make_transport())  # fmt: skip
     with pytest.raises(NotImplementedError, match=f"stage 1 has no handler for action "
                        f"'{schedules.actions()[bare]}'"):  # fmt: skip
         step.handlers[bare][1](0)
@@ -181,8 +182,9 @@ def test_a_step_dispatches_a_registered_action_to_its_handler(make_pipe: Any) ->
         seen.append((stage.index, m))
 
     action = schedules.register_action(next(_names), [Need([("forward", 0)])], handler=record)
-    step = Step(pipeline_of(pipe), [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
-                False)  # fmt: skip
+    pipeline = pipeline_of(pipe)
+    step = Step(pipeline, [torch.randn(2, 3, dtype=torch.float64)], [False], [[False]] * 2,
+                False, transport=pipeline.make_transport())  # fmt: skip
     step.run_task(action, 1, 0)
     assert seen == [(1, 0)]
     # A Stage method of the action's name is not what runs it: the handler table is.

@@ -19,11 +19,11 @@ from gpipe_fast.distributed.shm_links import (
     lane,
     routes,
 )
-from gpipe_fast.distributed.transports import wire
-from gpipe_fast.distributed.transports.group import GroupMedium
-from gpipe_fast.distributed.transports.registry import inline_receivers
-from gpipe_fast.distributed.transports.rings import RingMedium
 from gpipe_fast.skip.layout import SkipLayout, SkipRoute
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.processes.group import GroupMedium
+from gpipe_fast.transport.processes.registry import inline_receivers
+from gpipe_fast.transport.processes.rings import RingMedium
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT
 
 

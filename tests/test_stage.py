@@ -19,7 +19,8 @@ def test_forward_loss_backward_on_every_stage_match_the_unpartitioned_module() -
     wanted = [p.grad.clone() for p in whole.parameters()]  # type: ignore[union-attr]
     whole.zero_grad()
 
-    step = Step(owner, [x[:2], x[2:]], [False], [[False, False]] * 2, True)
+    step = Step(owner, [x[:2], x[2:]], [False], [[False, False]] * 2, True,
+                transport=owner.transport())  # fmt: skip
     step.context.set_loss(nn.functional.mse_loss, [target[:2], target[2:]], [0.5, 0.5])
     first, last = step.stages
     assert first is not None and last is not None
@@ -39,7 +40,7 @@ def test_forward_loss_backward_on_every_stage_match_the_unpartitioned_module() -
 def test_recompute_rebuilds_a_checkpointed_output() -> None:
     owner = _owner()
     x = torch.randn(2, 3, dtype=torch.float64)
-    step = Step(owner, [x], [False], [[True]] * 2, True)
+    step = Step(owner, [x], [False], [[True]] * 2, True, transport=owner.transport())
     stage = step.stages[0]
     assert stage is not None
     stage.forward(0)

@@ -38,7 +38,8 @@ class Owner:
     def may_draw_random(self) -> bool:
         return False
 
-    def make_transport(self) -> Transport:
+    def transport(self) -> Transport:
+        """A step's transport between the two cells (Pipeline.make_transport's part)."""
         return LocalTransport(self.services.streams, self.devices)
 
     def task_failed(self, error: BaseException) -> None:
@@ -53,7 +54,8 @@ def _owner() -> Owner:
 def test_forward_tasks_dispatched_by_action_id_match_the_unpartitioned_module() -> None:
     owner = _owner()
     x = torch.randn(4, 3, dtype=torch.float64)
-    step = Step(owner, [x[:2], x[2:]], [False], [[False, False]] * 2, False)
+    step = Step(owner, [x[:2], x[2:]], [False], [[False, False]] * 2, False,
+                transport=owner.transport())  # fmt: skip
     forward = actions().index("forward")
     for m in range(2):
         for k in range(2):
@@ -65,7 +67,8 @@ def test_forward_tasks_dispatched_by_action_id_match_the_unpartitioned_module() 
 
 def test_a_failing_task_is_named_by_cell_and_reported_to_the_owner() -> None:
     owner = _owner()
-    step = Step(owner, [torch.randn(2, 5, dtype=torch.float64)], [False], [[False]] * 2, False)
+    step = Step(owner, [torch.randn(2, 5, dtype=torch.float64)], [False], [[False]] * 2, False,
+                transport=owner.transport())  # fmt: skip
     with pytest.raises(RuntimeError, match=r"in cell 0, micro-batch 0, forward pass"):
         step.run_task(actions().index("forward"), 0, 0)
     assert len(owner.failures) == 1
@@ -79,8 +82,9 @@ def test_annotate_keeps_the_type_and_prefixes_the_message_once() -> None:
 
 
 def test_backward_runs_once() -> None:
-    step: Any = Step(_owner(), [torch.randn(2, 3, dtype=torch.float64)], [False],
-                     [[False]] * 2, True)  # fmt: skip
+    owner = _owner()
+    step: Any = Step(owner, [torch.randn(2, 3, dtype=torch.float64)], [False],
+                     [[False]] * 2, True, transport=owner.transport())  # fmt: skip
     step.check_backward_once()
     step.backward_done = True
     with pytest.raises(RuntimeError, match="twice"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from gpipe_fast.distributed.transports import wire
+from gpipe_fast.transport import wire
 
 CPU = torch.device("cpu")
 

@@ -14,8 +14,8 @@ from torch import nn
 import gpipe_fast as gf
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.shm_links import ENV
-from gpipe_fast.distributed.transports.across import ProcessTransport
 from gpipe_fast.transport.local import LocalTransport
+from gpipe_fast.transport.processes.across import ProcessTransport
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow, Transport
 
 # Every method of the protocol, read from it: a method added there is uncovered until the

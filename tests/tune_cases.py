@@ -50,7 +50,7 @@ def _report(pipe: Any) -> dict[str, Any]:
         "balance": list(pipe.balance),
         "schedule": pipe.schedule,
         "chunks": pipe.chunks,
-        "layers": sorted(pipe._cell_of),
+        "layers": sorted(pipe._naming.cell_of),
         "signatures": len(pipe._auto.tunings),
     }
 
@@ -91,7 +91,7 @@ def first_step_tunes(rank: int, world: int, chunks: int | str = "auto") -> dict[
     pipe = gf.GPipe(module, schedule="auto", chunks=chunks, checkpoint="auto",
                     pp_group=dist.group.WORLD)  # fmt: skip
     try:
-        before = sorted(pipe._cell_of), list(pipe.balance)
+        before = sorted(pipe._naming.cell_of), list(pipe.balance)
         loss = pipe.train_step(_mine(rank, world, x, False), _mine(rank, world, y, True),
                                nn.functional.mse_loss)  # fmt: skip
         want = _plain_step(plain, x, y, pipe.chunks)
@@ -119,7 +119,7 @@ def tune_moves_layers(rank: int, world: int) -> dict[str, Any]:
 
     price.Pricing.cuts = others  # type: ignore[method-assign]
     try:
-        owned = set(pipe._cell_of)
+        owned = set(pipe._naming.cell_of)
         with torch.no_grad():
             for name, layer in module.named_children():
                 for index, param in enumerate(layer.parameters()):

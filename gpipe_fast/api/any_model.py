@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -14,14 +14,15 @@ from torch import Tensor, nn
 from gpipe_fast.api import optim_state
 from gpipe_fast.api.auto import AutoPipe, Tuned, check_tunable
 from gpipe_fast.api.auto_model import ModelBuilder
+from gpipe_fast.api.builder import LayerKind
 from gpipe_fast.api.gpipe import GPipe
 from gpipe_fast.api.model_items import model_loss
 from gpipe_fast.api.rank_saves import warn_on_rank_saves
 from gpipe_fast.balancing.balance import partition
+from gpipe_fast.capture.cell import captured_cells
 from gpipe_fast.capture.discover import as_inputs, discover, repeated_blocks
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plans import CapturePlans
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
-from gpipe_fast.capture.stage import stage_cells
 from gpipe_fast.nn.items import Counting, ItemMean, check_items_given
 from gpipe_fast.schedule.registry import schedule_kind
 
@@ -36,29 +37,35 @@ class ModelPipe(GPipe):
     micro-batch, and ``target`` may be None (a model that computes its own loss from its
     inputs' labels: ``loss_fn=lambda out, _: out.loss``)."""
 
-    _transparent_layers = True
     _first_stage: Any  # stage 0's cell, which maps the step's tuple of inputs to their names
     _last_stage: Any  # the last stage's cell, which computes the model's own loss
+    _model: nn.Module  # the model (not registered: the cells hold its parts)
+    _aliases: dict[str, str]  # a parameter's other names -> the model's first name for it
 
-    def __init__(self, model: nn.Module, plan: Plan, split_points: list[str], **kwargs: Any):
-        # Each parameter's first name in the model: what the plain model's optimizer state
-        # is keyed by (taken now, before materialising can replace a parameter).
+    def __init__(
+        self, model: nn.Module, plans: CapturePlans, split_points: list[str], **kwargs: Any
+    ):
+        # Each parameter's first name in the model: what the plain model's named_parameters()
+        # and optimizer state call it (taken now, before materialising can replace one).
         first_names: dict[int, str] = {}
         aliases = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             aliases[name] = first_names.setdefault(id(param), name)
-        # Compared across the ranks at build (GPipe._agree_across_ranks), before any cell is.
+        # Compared across the ranks at build (see _layer_kind), before any cell is.
         self.__dict__["_given_split_points"] = list(split_points)
-        cells = stage_cells(model, plan)
+        self.__dict__["_model"] = model  # not a submodule: the cells hold its parts
+        self.__dict__["_plans"] = plans
+        cells = captured_cells(model, plans)
         first: Any = cells[0]
         module = nn.Sequential(OrderedDict((f"stage{k}", cell) for k, cell in enumerate(cells)))
-        super().__init__(module, [1] * plan.stages, **kwargs)
+        super().__init__(module, [1] * plans.first.stages, **kwargs)
+        self.__dict__["_aliases"] = {a: n for a, n in aliases.items() if a != n}
         optim_state.rename_parameters(self, {
-            name: aliases[name] for name, _ in self.named_parameters()
+            name: aliases[name] for name, _ in super().named_parameters()
             if aliases.get(name, name) != name
         })  # fmt: skip
         self.split_points = list(split_points)
-        self._plan = plan
+        self._plan = plans.first
         self.__dict__["_first_stage"] = first
         self.__dict__["_last_stage"] = cells[-1]
         # How the model computes its own loss from labels (None: not a transformers model).
@@ -69,8 +76,49 @@ class ModelPipe(GPipe):
         if self.layout.multi_process:  # the model still holds the other ranks' stages
             warn_on_rank_saves(model, self, f"rank {self.layout.pp_index} of the pipe")
 
-    def _agreed_cut(self) -> dict[str, object]:
-        return {"split_points": self.__dict__["_given_split_points"]}
+    def _layer_kind(self) -> LayerKind:
+        """Its layers are the model's stages: left out of keys, sharing the buffers their
+        glue reads, cut at the split points (which the ranks compare)."""
+        cut = {"split_points": self.__dict__["_given_split_points"]}
+        return LayerKind(transparent=True, shared_buffers=True, cut=cut)
+
+    @property
+    def training(self) -> bool:
+        """The model's mode, which its forward reads (``pipe.train()`` and ``pipe.eval()`` set
+        it, glue and every stage included; so does the model's own ``train()``)."""
+        model = self.__dict__.get("_model")
+        return bool(model.training) if model is not None else self.__dict__.get("_mode", True)
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__["_mode"] = mode
+
+    def train(self, mode: bool = True) -> ModelPipe:
+        """Sets the mode of the whole model, the glue between the stages' modules included,
+        on this rank (call it on every rank): what the model's forward reads as
+        ``self.training`` on every stage."""
+        super().train(mode)
+        self._model.train(mode)
+        return self
+
+    def _in_the_models_mode(self) -> None:
+        """The cells follow the model's mode (which its own train()/eval() may have set)."""
+        mode = self._model.training
+        if self.__dict__.get("_mode") != mode:
+            self.train(mode)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters under the plain model's names: a tied one (held by several stages,
+        or by another module than the one the model names first) by the name the plain
+        model's ``named_parameters()`` gives it, on every rank."""
+        dot = f"{prefix}." if prefix else ""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            if remove_duplicate:
+                key = name[len(dot) :]
+                name = dot + self._aliases.get(key, key)
+            yield name, param
 
     def _as_input(self, inputs: Any) -> tuple[Tensor, ...] | None:
         """The model's inputs in the form of example_inputs, as the pipe's tuple of tensors
@@ -114,6 +162,15 @@ class ModelPipe(GPipe):
         else:
             raise TypeError("pipe(...) takes the model's inputs as positional or keyword "
                             "arguments, as example_inputs gave them")  # fmt: skip
+        if self._plan.cache:
+            raise ValueError(
+                f"pipe(...): the model returns a {self._plan.cache} (use_cache=True), whose "
+                "layers' keys and values each stage holds only for its own layers; pass "
+                "use_cache=False in example_inputs and in the inputs (or set "
+                "model.config.use_cache = False before building the pipe): a pipe runs whole "
+                "sequences, not token by token"
+            )
+        self._in_the_models_mode()
         return super().forward(self._as_input(inputs))  # type: ignore[arg-type]
 
     def train_step(
@@ -131,6 +188,7 @@ class ModelPipe(GPipe):
         (a causal LM's shifted by one): each micro-batch then weighs its labels' share of the
         whole batch's, over every replica (and the model divides by their count itself
         where its forward takes ``num_items_in_batch``); otherwise ``"mean"``."""
+        self._in_the_models_mode()
         given = self._as_input(input)
         return super().train_step(given, target, loss_fn, reduction=reduction, **kwargs)  # type: ignore[arg-type]
 
@@ -144,6 +202,7 @@ class ModelPipe(GPipe):
         **kwargs: Any,
     ) -> Tensor:
         """:meth:`GPipe.eval_step` with the model's inputs, reduced as in :meth:`train_step`."""
+        self._in_the_models_mode()
         given = self._as_input(input)
         return super().eval_step(given, target, loss_fn, reduction=reduction, **kwargs)  # type: ignore[arg-type]
 
@@ -194,8 +253,16 @@ class ModelPipe(GPipe):
                     f"the inputs hold no 'labels' (given: {present})"
                 )
 
-        takes_count = model_loss is not None and model_loss.takes_count
-        if model_loss is not None and count is not None and not takes_count:
+        # A router's auxiliary loss (MoE) is added whole to each micro-batch's loss, which
+        # num_items_in_batch would leave undivided: the step's loss would carry it once per
+        # micro-batch, its weight growing with chunks. Weighing each micro-batch's own mean
+        # by its labels' share instead keeps the token part exact and gives the auxiliary
+        # part the same shares, whatever the chunks.
+        router_loss = model_loss is not None and (
+            model_loss.router_loss or "output_router_logits" in present
+        )
+        takes_count = model_loss is not None and model_loss.takes_count and not router_loss
+        if model_loss is not None and count is not None and not takes_count and not router_loss:
             self._warn_count(model_loss.name)
         return Counting("input", count, given, self._tell_count if takes_count else None)
 
@@ -225,6 +292,7 @@ class ModelPipe(GPipe):
             last.loss_kwargs = {"num_items_in_batch": count_tensor}
 
     def tune(self, input: Any, target: Any, loss_fn: LossFn, *args: Any, **kwargs: Any) -> Any:
+        self._in_the_models_mode()
         return super().tune(self._as_input(input), target, loss_fn, *args, **kwargs)
 
 
@@ -278,11 +346,35 @@ def pipeline(
             f"num_stages={num_stages} but {len(split_points)} split points make "
             f"{len(split_points) + 1} stages"
         )
+    _check_devices(len(split_points) + 1, kwargs)
     plan = discover(model, example_inputs, list(split_points))
-    pipe = ModelPipe(model, plan, list(split_points), **kwargs)
+    plans = CapturePlans(model, example_inputs, list(split_points), plan)
+    pipe = ModelPipe(model, plans, list(split_points), **kwargs)
     if tuned is not None:
         AutoPipe(tuned, ModelBuilder(model, example_inputs, kwargs, pipe)).attach(pipe)
     return pipe
+
+
+def _check_devices(stages: int, kwargs: dict[str, Any]) -> None:
+    """Devices given in one process that the stages leave unused (zbv runs two stages per
+    device) are named in a warning rather than silently left out."""
+    devices = kwargs.get("devices")
+    schedule = kwargs.get("schedule", "gpipe")
+    if devices is None or kwargs.get("pp_group") is not None or not isinstance(schedule, str):
+        return
+    try:
+        per = schedule_kind(schedule).stages_per_worker
+    except (KeyError, ValueError):
+        return  # GPipe names an unknown schedule
+    if per and stages // per < len(devices) and stages % per == 0:
+        warnings.warn(
+            f"devices: the {schedule} schedule runs {per} stages per device, so {stages} "
+            f"stages use {stages // per} of the {len(devices)} devices given "
+            f"({list(devices)[: stages // per]!r}); give {per * len(devices)} stages "
+            f"({per * len(devices) - 1} split points) to use all {len(devices)}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _default_stages(kwargs: dict[str, Any]) -> int:

@@ -11,10 +11,10 @@ from torch import nn
 from gpipe_fast.api.auto import Cut, GPipe, rebuilt, worker_devices
 from gpipe_fast.api.gpipe import GPipe as Pipe
 from gpipe_fast.balancing.balance import partition
+from gpipe_fast.capture.cell import captured_cells
 from gpipe_fast.capture.discover import discover, repeated_blocks
-from gpipe_fast.capture.plan import Plan
+from gpipe_fast.capture.plans import CapturePlans
 from gpipe_fast.capture.split import SPLIT_BY, choose_split_points
-from gpipe_fast.capture.stage import stage_cells
 from gpipe_fast.nn.microbatch import Value
 
 
@@ -38,13 +38,14 @@ class ModelBuilder:
             self.arguments.pop(name, None)
         if self.arguments.get("devices") is None and not pipe.layout.multi_process:
             self.arguments["devices"] = worker_devices(pipe)
-        self._plans: dict[tuple[str, ...], Plan] = {tuple(pipe.split_points): pipe._plan}
+        self._plans: dict[tuple[str, ...], CapturePlans] = {tuple(pipe.split_points): pipe._plans}
         self._cuts: dict[int, list[tuple[str, ...]]] = {}
 
-    def plan(self, split_points: tuple[str, ...]) -> Plan:
+    def plan(self, split_points: tuple[str, ...]) -> CapturePlans:
         if split_points not in self._plans:
-            self._plans[split_points] = discover(self.model, self.example_inputs,
-                                                 list(split_points))  # fmt: skip
+            first = discover(self.model, self.example_inputs, list(split_points))
+            self._plans[split_points] = CapturePlans(self.model, self.example_inputs,
+                                              list(split_points), first)  # fmt: skip
         return self._plans[split_points]
 
     def build(self, cut: Cut) -> GPipe:
@@ -64,7 +65,7 @@ class ModelBuilder:
     def cells_of(self, cut: Cut, pipe: GPipe) -> nn.Sequential:
         """The stages of `cut` as layers (stage 0 mapping the step's tuple of inputs as the
         tuned pipe's does)."""
-        cells = stage_cells(self.model, self.plan(cut.split_points or ()))
+        cells = captured_cells(self.model, self.plan(cut.split_points or ()))
         first: Any = cells[0]
         first.present = list(pipe._first_stage.present)
         return nn.Sequential(OrderedDict((f"stage{k}", c) for k, c in enumerate(cells)))

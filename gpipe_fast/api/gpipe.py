@@ -2,81 +2,34 @@
 
 from __future__ import annotations
 
-import operator
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
-from functools import partial
-from typing import Any, ClassVar, NoReturn, TypeVar, cast
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from gpipe_fast.api import live_pipes, optim_state, state_dict
-from gpipe_fast.api.auto import AutoPipe, SequentialBuilder, Tuned, TuneOptions, check_tunable
+from gpipe_fast.api.auto import AutoPipe, SequentialBuilder, TuneOptions
+from gpipe_fast.api.builder import LayerKind, PipeBuilder
 from gpipe_fast.api.clip import check_clip_arguments, clip_grad_norm_
-from gpipe_fast.api.devices import default_balance, single_process_devices
-from gpipe_fast.arguments import (
-    REDUCTIONS,
-    check_balance,
-    check_bool,
-    check_checkpoint,
-    check_chunks,
-    check_devices,
-    check_int,
-    check_loss_arguments,
-    check_sequential,
-    check_timeout,
-)
-from gpipe_fast.balancing.balance import balance_by_params
-from gpipe_fast.device import host
+from gpipe_fast.api.naming import Naming
+from gpipe_fast.api.pipe_module import Device, PipeModule
+from gpipe_fast.api.pipe_reports import PipeReports
+from gpipe_fast.api.step_loss import identity_loss, identity_train_step, loss_reduction
+from gpipe_fast.arguments import check_loss_arguments, check_timeout
 from gpipe_fast.distributed import beside
-from gpipe_fast.distributed.agreement import agree, stage_parameters
-from gpipe_fast.distributed.host_peers import host_peers
-from gpipe_fast.distributed.layout import check_device, check_groups, make_layout
-from gpipe_fast.distributed.sharded import check_sharding, dp_group_of
-from gpipe_fast.distributed.transports.choice import TransportChoice
-from gpipe_fast.nn.batchnorm import DeferredBatchNorm
-from gpipe_fast.nn.items import Counting, ItemMean, check_items_given, count_items
-from gpipe_fast.nn.materialize import (
-    InitFn,
-    Unfilled,
-    Uninitialised,
-    materialize,
-    warn_uninitialised,
-)
+from gpipe_fast.nn.items import Counting, ItemMean
+from gpipe_fast.nn.materialize import InitFn
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.pytree import Tree
-from gpipe_fast.nn.tied import TiedGradients, find_ties, replicate_across_devices, retie
 from gpipe_fast.runtime.autograd_call import autograd_call
 from gpipe_fast.runtime.context import LossFn
-from gpipe_fast.runtime.memory import CellMemoryStats, memory_stats
 from gpipe_fast.runtime.pipeline import Pipeline
-from gpipe_fast.runtime.step_path import run_step
 from gpipe_fast.runtime.step_request import StepRequest
-from gpipe_fast.runtime.timeline import Timeline
-from gpipe_fast.schedule.registry import check_schedule, schedule_kind
-from gpipe_fast.skip.layout import SkipLayout, inspect_skip_layout
-from gpipe_fast.skip.skippable import Skippable
-from gpipe_fast.skip.verify import verify_skippables
-
-Device = torch.device | str | int
-TensorT = TypeVar("TensorT", bound=Tensor)  # a parameter or a buffer
-
-# Appended to errors about a balance that does not fit the module.
-BALANCE_ADVICE = (
-    "let gpipe_fast choose one: balance=None (by parameter count), "
-    "gf.balance_by_params(cells, module), gf.balance_by_time(cells, module, sample) or "
-    "gf.balance_by_size(cells, module, sample)"
-)
-
-# Pipes still holding workers; joined before the interpreter starts tearing down.
 
 
-class GPipe(nn.Module):
+class GPipe(PipeReports, PipeModule):
     """Wraps an nn.Sequential for GPipe training.
 
     The module is cut into ``len(balance)`` cells, cell k on ``devices[k]``; each mini-batch
@@ -144,10 +97,6 @@ class GPipe(nn.Module):
     ``init_fn`` or set); across processes that refusal fails the step on every rank.
     """
 
-    # A pipe of any model (gf.pipeline) keys its tensors without its layers' names (its layers
-    # are stages holding modules at their places in the model: see api/state_dict.py).
-    _transparent_layers: ClassVar[bool] = False
-
     def __init__(
         self,
         module: nn.Sequential,
@@ -171,242 +120,50 @@ class GPipe(nn.Module):
         arguments = {k: v for k, v in locals().items() if k not in ("self", "module", "__class__")}
         super().__init__()
         self._auto: AutoPipe | None = None
-        tuned = Tuned.of(schedule, chunks, checkpoint, cut_given=balance is not None)
-        if tuned is not None:
-            check_tunable(tuned, dp_shard)
-            schedule, chunks, checkpoint = tuned.initial(schedule, chunks, checkpoint)
-        dp_group = dp_group_of(dp_group)
-        check_sharding(dp_shard, dp_shard_sync, reshard_after_forward, dp_group)
-        module = check_sequential(module)
-        chunks = check_chunks(chunks)
-        checkpoint = check_checkpoint(checkpoint)
-        check_bool(recompute_pool, "recompute_pool")
-        schedule = check_schedule(schedule)
-        timeout = check_timeout(timeout)
-        if init_fn is not None and not callable(init_fn):
-            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
-        skippable = any(isinstance(layer, Skippable) for layer in module.children())
-        if skippable:
-            verify_skippables(module)  # TypeError naming every unmatched stash or pop
-
-        # What every rank must build alike, compared across the ranks before anything else
-        # runs across them (see _agree_across_ranks).
-        agreed = {
-            "chunks": chunks,
-            "checkpoint": checkpoint,
-            "schedule": schedule,
-            "deferred_batch_norm": deferred_batch_norm,
-            "dp_shard": dp_shard,
-            "dp_shard_sync": dp_shard_sync if dp_shard else None,
-            "reshard_after_forward": reshard_after_forward if dp_shard else None,
-        }
-        if pp_group is not None:
-            size = dist.get_world_size(pp_group)
-            if balance is None:  # the cells the schedule runs on each process (1 unless fixed)
-                per = schedule_kind(schedule).stages_per_worker or 1
-                balance = balance_by_params(size * per, module)
-            balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
-            self._agree_across_ranks(module, balance, agreed, pp_group, dp_group, timeout)
-            layout = make_layout(pp_group, dp_group, len(balance), schedule)
-            device = check_device(devices, layout)
-            resolved_devices = [device] * len(balance)
-            stage_workers = [layout.stage_rank(k) for k in range(len(balance))]
-        else:
-            given_devices = None if devices is None else check_devices(devices)
-            if balance is None:
-                balance = default_balance(module, given_devices, schedule)
-            balance = check_balance(balance, len(module), advice=BALANCE_ADVICE)
-            if dp_group is not None:
-                self._agree_across_ranks(module, balance, agreed, None, dp_group, timeout)
-            layout = make_layout(None, dp_group, len(balance), schedule)
-            resolved_devices, stage_workers = single_process_devices(
-                given_devices, balance, schedule
-            )
-
-        self.balance = list(balance)
-        self.devices = resolved_devices[: len(balance)]
-        self.chunks = chunks
-        self.checkpoint = checkpoint
+        builder = PipeBuilder(module, balance, arguments, self._layer_kind())
+        built = builder.build()
+        self.balance = built.balance
+        self.devices = built.devices
+        self.chunks = built.chunks
+        self.checkpoint = built.checkpoint
         self.deferred_batch_norm = deferred_batch_norm
-        self.schedule = schedule
-        self.layout = layout
-
-        named = list(module._modules.items())  # named_children() would drop a repeated layer
-        cells, start = [], 0
-        for size in self.balance:
-            cell = nn.Sequential(OrderedDict(named[start : start + size]))
-            if deferred_batch_norm:
-                cell = cast(nn.Sequential, DeferredBatchNorm.convert(cell))
-            cells.append(cell)
-            start += size
-        _reject_shared_buffers(cells)
-        skips = _skip_layout(cells) if skippable else None
-        ties = find_ties(cells)
-        if not layout.multi_process:
-            replicate_across_devices(cells, self.devices, ties)
-        here = [layout.is_local(k) for k in range(len(cells))]
-        # Another process's cell stays as it is (on the meta device, it never holds memory).
-        # Tensors that came from the meta device with no initialisation are remembered: the
-        # pipe refuses to run until they are loaded or set.
-        uninitialised: list[Uninitialised] = []
-        for k, device in enumerate(self.devices):
-            if here[k]:
-                cells[k], left = materialize(cells[k], device, init_fn)
-                if self._transparent_layers:  # named by the model's keys, not the stage's
-                    left = [replace(u, name=u.name.split(".", 1)[1]) for u in left]
-                uninitialised += left
-        if uninitialised:
-            warn_uninitialised(uninitialised)
-        self._unfilled = Unfilled(uninitialised)
-        retie(cells, ties, here)
-        shared_here = [t for t in ties if sum(here[k] for k, _ in t.places) > 1]
-        if dp_shard and shared_here:
-            raise ValueError(
-                "dp_shard: a weight tied between two cells of one process cannot be sharded "
-                "yet (both cells' FSDP units would hold it; ties across processes can): "
-                + "; ".join(
-                    " = ".join(f"cell {k}'s {name}" for k, name in t.places) for t in shared_here
-                )
-            )
-        tied = TiedGradients(cells, ties, layout)
-        local = [cells[k] for k in layout.local_stages] if cells else []
-        self.partitions = state_dict.Cells(local)
-        self._layers_by_name = state_dict.LayersByName(self.partitions)
-        # Layer name in the original module -> position in partitions, so state_dict keeps
-        # the original keys (and, across processes, holds this process's cells only).
-        self._cell_of = {name: k for k, cell in enumerate(local) for name in cell._modules}
-        # Every layer's name, so that loading the whole model's state dict on one rank
-        # skips the other ranks' layers but still refuses keys of no layer at all.
-        self._layer_names = {name for name, _ in named}
-        if self._transparent_layers:  # keys are the model's own: every cell's, and local ones'
-            self._layer_names = set(state_dict.cell_keys(enumerate(cells)))
-            self._cell_keys = state_dict.cell_keys(enumerate(local))
-            stages = [layer for cell in local for layer in cell.children()]
-            self._merged_stages = state_dict.MergedStages(stages)
-            for cell in local:  # torch.distributed.checkpoint leaves the stage's name out
-                # (of a dict, copied at each call: a generator would be spent by the first)
-                cell.__dict__["_fqn_modifiers"] = partial(dict, {n: n for n in cell._modules})
-        state_dict.register(self)
-
-        # Processes of a multi-process pipe share the host's cores: every rank learns the
-        # host of every other (a collective, so every rank asks, whatever its settings); the
-        # pipeline's ranks on one host also exchange tensors over shared memory.
-        grouped = layout.multi_process or layout.dp_group is not None
-        hosts = host_peers() if grouped else None
-        given = threads_per_cell
-        if given is not None:
-            given = check_int(given, "threads_per_cell", 1, "an int or None")
-        self._threads = host.threads_per_cell(
-            [self.devices[k] for k in layout.local_stages] if cells else [],
-            processes=hosts.processes_here if hosts is not None else 1,
-            one_worker=layout.multi_process,
-            given=given,
-        )
-        if hosts is not None:
-            self._threads = host.share_with_caller(self._threads, hosts.processes_here)
-        self._threads_per_cell = self._threads.per_cell
+        self.schedule = built.schedule
+        self.layout = built.layout
+        self.partitions = built.partitions
+        self._naming = built.naming
+        self._layers_by_name = built.naming.layers_by_name  # torch.distributed.checkpoint's
+        self._merged_stages = built.naming.merged_stages  # walks (see _fqn_modifiers)
+        self._unfilled = built.unfilled
+        self._threads = built.threads
         self._step_timeout: float | None = None
-        # No cells, no workers: an empty pipe is the identity (as in torchgpipe).
-        self._pipeline = (
-            Pipeline(
-                cells,
-                self.devices,
-                self._threads_per_cell,
-                stage_workers=stage_workers,
-                schedule=schedule,
-                recompute_pool=recompute_pool,
-                layout=layout,
-                timeout_s=timeout,
-                tied=tied,
-                skips=skips,
-                hosts=hosts,
-                ready=self._unfilled.check,
-                dp_shard=dp_shard,
-            )
-            if cells
-            else None
-        )
+        self._pipeline = built.pipeline
+        state_dict.register(self, _naming_of, _mark_loaded)
         live_pipes.add(self)
-        if self._pipeline is not None:
-            self._pipeline.sync_copies()
-            if dp_shard:
-                self._pipeline.shard(
-                    sync=dp_shard_sync, reshard_after_forward=reshard_after_forward
-                )
-        if layout.multi_process and self._pipeline is not None and self._pipeline.groups:
+        if built.optimizer_names is not None:
             # get_state_dict(pipe, optimizer) gives the plain model's optimizer state dict,
             # whatever rank holds a layer: a tied weight under its first name, and (without
             # the flatten option) every rank's parameters in param_groups.
-            optim_state.register(self, optim_state.PipeNames(
-                plain_names=optim_state.tie_copy_names(ties, layout.is_local, self._place_key),
-                gather=partial(optim_state.gather_over_pipeline, self._pipeline.groups),
-                ranks=layout.pp_ranks,
-            ))  # fmt: skip
-        if tuned is not None:
-            AutoPipe(tuned, SequentialBuilder(module, arguments, self)).attach(self)
+            optim_state.register(self, built.optimizer_names)
+        if builder.tuned is not None:
+            AutoPipe(builder.tuned, SequentialBuilder(builder.module, arguments, self)).attach(self)
 
-    def _agree_across_ranks(
-        self,
-        module: nn.Sequential,
-        balance: Sequence[int],
-        arguments: dict[str, object],
-        pp_group: Any | None,
-        dp_group: Any | None,
-        timeout: float,
-    ) -> None:
-        """The same ValueError on every rank when the ranks build this pipe differently: its
-        cut (the balance, and a pipe of any model's split points), the arguments that shape
-        its steps, its groups' sizes, and each stage's parameters by name and shape. One
-        all-gather of a digest, before any other communication of the build: no rank then
-        waits in a collective another will not run, and no step runs on a disagreement."""
-        check_groups(pp_group, dp_group)
-        named = list(module._modules.items())
-        cells, start = [], 0
-        for size in balance:  # each cell's layers, as the pipe will cut them
-            cells.append(nn.Sequential(OrderedDict(named[start : start + size])))
-            start += size
-        groups = {
-            name: None if group is None else dist.get_world_size(group)
-            for name, group in (("pp_group size", pp_group), ("dp_group size", dp_group))
-        }
-        agree({
-            **self._agreed_cut(),
-            "balance": list(balance),
-            **arguments,
-            **groups,
-            "parameters": stage_parameters(cells, drop_layer=self._transparent_layers),
-        }, timeout)  # fmt: skip
-
-    def _agreed_cut(self) -> dict[str, object]:
-        """How the model was cut, beyond the balance, for the ranks to compare (gf.pipeline:
-        its split points)."""
-        return {}
-
-    def _place_key(self, name: str) -> str:
-        """A tensor's name in its cell ("<layer>.<name>") as the model's key: with
-        transparent layers the layer (a stage) is left out, as in state_dict()."""
-        return name.split(".", 1)[1] if self._transparent_layers else name
+    def _layer_kind(self) -> LayerKind:
+        """What the pipe's layers are: the module's own (gf.pipeline's: a model's stages)."""
+        return LayerKind()
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters under the model's own names, as in ``state_dict()``."""
         named = super().named_parameters(prefix, recurse, remove_duplicate)
-        return self._under_model_keys(named, prefix)
+        return self._naming.model_names(named, prefix)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The buffers under the model's own names, as in ``state_dict()``."""
         named = super().named_buffers(prefix, recurse, remove_duplicate)
-        return self._under_model_keys(named, prefix)
-
-    def _under_model_keys(
-        self, named: Iterator[tuple[str, TensorT]], prefix: str
-    ) -> Iterator[tuple[str, TensorT]]:
-        dot = f"{prefix}." if prefix else ""
-        for name, tensor in named:
-            yield state_dict.model_key(name, dot, self._transparent_layers), tensor
+        return self._naming.model_names(named, prefix)
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict's hook for modules whose state_dict keys
@@ -415,43 +172,7 @@ class GPipe(nn.Module):
         # layers. So get_state_dict(pipe, optimizer) keys the model's and the optimizer's
         # state by the model's own names, as state_dict() does, and a checkpoint loads into
         # another balance, another number of processes, or the plain model.
-        if self._transparent_layers:  # a model key's first name, among the stages' modules
-            tops = {name for cell in self.partitions for layer in cell.children()
-                    for name in layer._modules}  # fmt: skip
-            return {"partitions": "partitions", **dict.fromkeys(tops, "_merged_stages")}
-        return {"partitions": "partitions", **dict.fromkeys(self._cell_of, "_layers_by_name")}
-
-    @property
-    def threads_reason(self) -> str:
-        """Why ``threads_per_cell`` is what it is: your setting (``threads_per_cell=``,
-        OMP_NUM_THREADS, ``torch.set_num_threads``), which is never overridden, or the
-        host's cores shared among the CPU cells (one process) or among the job's processes
-        on this host (each rank tells the others its host name when the pipe is built)."""
-        return self._threads.reason
-
-    @property
-    def transport_kind(self) -> str:
-        """How tensors travel between this pipe's processes: "shared memory" between ranks
-        of one host whose cells run on the CPU, else the process group's backend ("gloo",
-        "nccl"; "shared memory and gloo" when some ranks share a host and others do not),
-        or "in process" for a pipe of one process. GPIPE_FAST_TRANSPORT=gloo (on any rank)
-        keeps CPU tensors on gloo. :attr:`transport_reason` says why."""
-        return self._transport().media
-
-    @property
-    def transport_reason(self) -> str:
-        """Why :attr:`transport_kind` is what it is."""
-        return self._transport().reason
-
-    def _transport(self) -> TransportChoice:
-        if self._pipeline is None:
-            return TransportChoice("in process", "the pipe has no cells")
-        return self._pipeline.transport
-
-    @property
-    def threads_per_cell(self) -> int | None:
-        """Intra-op threads of each CPU cell's worker (None: PyTorch's own setting)."""
-        return self._threads_per_cell
+        return self._naming.fqn_modifiers(self.partitions)
 
     @property
     def step_timeout(self) -> float | None:
@@ -481,7 +202,7 @@ class GPipe(nn.Module):
         if self._pipeline.layout.multi_process and not torch.is_grad_enabled():
             # Checked at the step's start on every rank (see _check_initialised).
             forward = StepRequest("forward", self.chunks)
-            return run_step(self._pipeline, forward, input, None)
+            return self._pipeline.run(forward, input, None)
         self._unfilled.check()
         return autograd_call(self._pipeline, input, self.chunks, self.checkpoint, self.training)
 
@@ -541,7 +262,7 @@ class GPipe(nn.Module):
         reduction, counting = self._loss_reduction(reduction, target, num_items_in_batch)
         pipeline = self._pipeline
         if pipeline is None:  # no cells: the loss of the input itself
-            return _identity_train_step(input, target, loss_fn, counting)
+            return identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
         if self._auto is not None:  # tunes at a new input signature (may rebuild the cells)
             self._auto.before_step(self, input, target, loss_fn, reduction)
@@ -556,7 +277,7 @@ class GPipe(nn.Module):
             "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
             reduction, loss_scale, counting,
         )  # fmt: skip
-        return self._timed_step(lambda: run_step(pipeline, train, input, target))
+        return cast(torch.Tensor, pipeline.run(train, input, target))
 
     def tune(
         self,
@@ -664,41 +385,18 @@ class GPipe(nn.Module):
         if pipeline is None:  # no cells: the loss of the input itself
             check_loss_arguments(loss_fn, reduction)
             with torch.no_grad():
-                return _identity_loss(input, target, loss_fn, counting)
+                return identity_loss(input, target, loss_fn, counting)
         self._check_initialised()
         evaluate = StepRequest(
             "evaluate", self.chunks, loss_fn=loss_fn, reduction=reduction, counting=counting
         )
-        return self._timed_step(lambda: run_step(pipeline, evaluate, input, target))
+        return cast(torch.Tensor, pipeline.run(evaluate, input, target))
 
     def _loss_reduction(
         self, reduction: object, target: Any, num_items_in_batch: object
     ) -> tuple[str, Counting | None]:
-        """A step's reduction as the runtime takes it: "mean" or "sum", or how to count the
-        items of an items mean (gf.ItemMean: in the target)."""
-        given = check_items_given(num_items_in_batch)
-        if isinstance(reduction, ItemMean):
-            return "mean", Counting("target", reduction.counter(), given)
-        if given is not None:
-            raise ValueError(
-                f"num_items_in_batch divides a mean over counted items, but reduction is "
-                f"{reduction!r}: give reduction=gf.ItemMean()"
-            )
-        if reduction not in REDUCTIONS:
-            raise ValueError(
-                f"reduction must be one of {REDUCTIONS} or a gpipe_fast.ItemMean, got {reduction!r}"
-            )
-        return str(reduction), None
-
-    def _timed_step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Runs a step; while recording, keeps how long the call took (its own work around
-        its tasks, for gf.plan(calibrate=...))."""
-        assert self._pipeline is not None
-        start = time.perf_counter()
-        loss = run()
-        if self._pipeline.recording:
-            self._pipeline.recorded_call_s = time.perf_counter() - start
-        return loss
+        """A step's reduction as the runtime takes it (see api/step_loss.py)."""
+        return loss_reduction(reduction, num_items_in_batch)
 
     def _check_initialised(self) -> None:
         """Refuses to run while a tensor built on the meta device holds no values yet. A
@@ -707,118 +405,12 @@ class GPipe(nn.Module):
         if self._pipeline is None or self._pipeline.cross is None:
             self._unfilled.check()
 
-    def record_timeline(self, on: bool = True) -> None:
-        """Records when each task of the next steps starts and ends (off by default: then
-        nothing is timed). Turning it off also forgets the recorded step.
-
-        CPU cells are timed on the host, CUDA cells by CUDA events on their streams (see
-        :class:`~gpipe_fast.TaskSpan`). While on, each phase reads its CUDA events when its
-        run ends, so ``pipe(x)`` and the backward return once the GPU has finished them."""
-        if self._pipeline is not None:  # an empty pipe runs no tasks to record
-            self._pipeline.set_recording(bool(on))
-
-    def timeline(self) -> Timeline:
-        """The task timeline of the last step run with recording on: its forward (``pipe(x)``)
-        and, once ``loss.backward()`` has run, its backward."""
-        if self._pipeline is None:
-            raise RuntimeError("gpipe_fast: an empty pipe has no cells, so no timeline")
-        if not self._pipeline.recording:
-            raise RuntimeError(
-                "gpipe_fast: timeline recording is off; call pipe.record_timeline() before "
-                "the step to record"
-            )
-        recorded = self._pipeline.recorded
-        if recorded is None:
-            raise RuntimeError(
-                "gpipe_fast: no step has run since pipe.record_timeline(); run pipe(x) "
-                "(and its backward) or pipe.train_step(...) first"
-            )
-        return Timeline.from_runs(
-            [
-                (phase, *recorded[phase])
-                for phase in ("forward", "backward", "step")
-                if phase in recorded
-            ],
-            clocks=self._pipeline.executor.worker_clocks(),
-            schedule=self.schedule if "step" in recorded else "gpipe",
-            call_s=self._pipeline.recorded_call_s if "step" in recorded else 0.0,
-            whole_backward=self._pipeline.whole_backward_cells() if "step" in recorded else (),
-        )
-
-    def memory_stats(self) -> list[CellMemoryStats]:
-        """Memory facts per cell, one dict each, in cell order:
-
-        - ``stash_bytes``: bytes of the cell inputs stashed by the steps now alive (from
-          ``pipe(x)`` until their backward has passed the cell), each storage counted once;
-          on cell 0 that is the storage of the input itself when it is already on the cell's
-          device (micro-batches are views of it).
-        - ``recompute_peak_bytes``: with ``recompute_pool=True``, the highest bytes the
-          cell's re-materialisation has held from its native pool (segments PyTorch's caching
-          allocator took for that cell's MemPool); None otherwise and on CPU cells.
-        - ``torch_peak_allocated_bytes``: ``torch.cuda.max_memory_allocated`` of the cell's
-          device (shared by the cells on one device; reset it with
-          ``torch.cuda.reset_peak_memory_stats``); None for a CPU cell.
-        """
-        return [] if self._pipeline is None else memory_stats(self._pipeline)
-
     def close(self) -> None:
         """Joins the worker threads and gives the recompute pools' memory back; the pipe
         cannot run afterwards."""
         if self._pipeline is not None:
             self._pipeline.close()
         live_pipes.discard(self)
-
-    def _cells(self) -> list[nn.Sequential]:
-        return cast(list[nn.Sequential], list(self.partitions))
-
-    def __len__(self) -> int:
-        return sum(len(cell) for cell in self._cells())
-
-    def __iter__(self) -> Iterator[nn.Module]:
-        for cell in self._cells():
-            yield from cell
-
-    def __getitem__(self, index: int) -> nn.Module:
-        """The layer at `index` of the wrapped module (negative from the end), whichever cell
-        holds it."""
-        try:
-            position = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"GPipe layer indices must be integers, got {type(index).__name__}"
-            ) from None
-        layers = list(self)
-        if not -len(layers) <= position < len(layers):
-            raise IndexError(f"layer index {index} is out of range for {len(layers)} layers")
-        return layers[position]
-
-    # Moving is denied: each cell must stay on its own entry of self.devices, which the
-    # workers, streams and boundary copies were built for. Casting dtypes is allowed.
-    def cuda(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("cuda()")
-
-    def cpu(self) -> NoReturn:
-        _deny_moving("cpu()")
-
-    def xpu(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("xpu()")
-
-    def ipu(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("ipu()")
-
-    def mtia(self, device: int | torch.device | None = None) -> NoReturn:
-        _deny_moving("mtia()")
-
-    def to_empty(self, *, device: Device | None, recurse: bool = True) -> NoReturn:
-        _deny_moving("to_empty()")
-
-    def to(self, *args: Any, **kwargs: Any) -> GPipe:
-        """Casts (``to(torch.float64)``, ``to(dtype=...)``, ``to(memory_format=...)``); a
-        device or a tensor to move to raises TypeError."""
-        move = _move_in_to(args, kwargs)
-        if move is not None:
-            _deny_moving(move)
-        return super().to(*args, **kwargs)
 
     def extra_repr(self) -> str:
         devices = [str(d) for d in self.devices]
@@ -828,90 +420,20 @@ class GPipe(nn.Module):
             + (f", schedule={self.schedule!r}" if self.schedule != "gpipe" else "")
         )
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> GPipe:
-        raise TypeError(
-            "a GPipe owns worker threads and cannot be deep-copied; copy the "
-            "wrapped module and build a new GPipe"
-        )
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "a GPipe cannot be pickled; save pipe.state_dict() instead (it has "
-            "the original module's keys)"
-        )
+def _naming_of(pipe: GPipe) -> Naming:
+    return pipe._naming
 
 
-def _move_in_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """How a call to Module.to(*args, **kwargs) would move the pipe, or None for a cast."""
-    if "tensor" in kwargs or (args and isinstance(args[0], Tensor)):
-        return "to(tensor)"
-    if "device" in kwargs or (
-        args and isinstance(args[0], (torch.device, str, int)) and not isinstance(args[0], bool)
-    ):
-        return "to(device)"
-    return None
-
-
-def _deny_moving(call: str) -> NoReturn:
-    raise TypeError(
-        f"pipe.{call}: a GPipe cannot be moved: each cell lives on its entry of pipe.devices, "
-        "where its worker and streams run it, and moving would put the weights out of step "
-        "with pipe.devices. To use other devices, build a new GPipe with devices=[...]; "
-        "casting (pipe.half(), pipe.to(torch.float64)) is allowed"
-    )
-
-
-def _reject_shared_buffers(cells: list[nn.Sequential]) -> None:
-    """A buffer (a running statistic) shared by cells could not be kept in step: parameters
-    can (gpipe_fast.nn.tied)."""
-    owner: dict[int, tuple[int, str]] = {}
-    for k, cell in enumerate(cells):
-        for name, tensor in cell.named_buffers():
-            first = owner.setdefault(id(tensor), (k, name))
-            if first[0] != k:
-                raise ValueError(
-                    f"balance: buffer {name!r} of cell {k} is shared with {first[1]!r} of cell "
-                    f"{first[0]}; a buffer can live in only one cell (keep the layers sharing it "
-                    f"in the same cell)"
-                )
-
-
-def _identity_loss(
-    input: Value | None, target: Any, loss_fn: LossFn, counting: Counting | None = None
-) -> torch.Tensor:
-    """The loss of an empty pipe: that of the input itself (an items mean divided by the
-    count given instead of its own, with num_items_in_batch)."""
-    as_tensors(input, "input")
-    loss = loss_fn(input, target)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise TypeError("loss_fn must return a scalar (0-dim) tensor, the loss of its batch")
-    if counting is not None and counting.given is not None and counting.count is not None:
-        (items,) = count_items(counting.count, [target])
-        loss = loss * (items / counting.given) if items else torch.zeros_like(loss)
-    return loss
-
-
-def _identity_train_step(
-    input: Value, target: Any, loss_fn: LossFn, counting: Counting | None = None
-) -> torch.Tensor:
-    """train_step of an empty pipe: the loss of the input, its gradient into the input."""
-    loss = _identity_loss(input, target, loss_fn, counting)
-    if loss.requires_grad:
-        loss.backward()
-    return loss.detach()
+def _mark_loaded(pipe: GPipe, keys: set[str]) -> None:
+    """Tensors a state dict loaded count as initialised."""
+    pipe._unfilled.loaded(keys)
 
 
 def pipeline_of(pipe: GPipe) -> Pipeline | None:
     """The runtime behind `pipe` (None for an empty pipe): for tests and benchmarks that
     look at the executor, streams or schedules themselves."""
     return pipe._pipeline
-
-
-def _skip_layout(cells: Sequence[nn.Sequential]) -> SkipLayout | None:
-    """Where the skippable layers' skips are stashed and popped, found once from the cells
-    (None when no skip is stashed and popped)."""
-    layout = inspect_skip_layout(cells)
-    return layout if layout.routes else None
 
 
 def _norm_reduce(pipeline: Pipeline | None, groups: Any) -> Any:

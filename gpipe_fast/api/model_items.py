@@ -17,11 +17,14 @@ class ModelLoss:
     """A transformers model's own loss from ``labels``: its class name, whether it shifts
     the labels by one (a causal LM predicts token t+1 at t: the first label of each row is
     never a target) and whether its forward takes ``num_items_in_batch`` and divides its
-    loss's sum by it."""
+    loss's sum by it. `router_loss`: its config adds an auxiliary loss per forward
+    (``output_router_logits``, a mixture of experts' load balancing), which a count does not
+    divide."""
 
     name: str
     shifts: bool
     takes_count: bool
+    router_loss: bool = False
 
 
 def model_loss(model: nn.Module) -> ModelLoss | None:
@@ -46,7 +49,8 @@ def model_loss(model: nn.Module) -> ModelLoss | None:
     # An encoder-decoder model's labels are its decoder's targets as they are (its decoder
     # takes them shifted right as inputs): the Trainer's rule, and T5's and BART's losses.
     shifts = function is ForCausalLMLoss and not encoder_decoder
-    return ModelLoss(type(model).__name__, shifts, _takes_count(model))
+    router_loss = bool(getattr(model.config, "output_router_logits", False))
+    return ModelLoss(type(model).__name__, shifts, _takes_count(model), router_loss)
 
 
 def _takes_count(model: nn.Module) -> bool:

@@ -1,16 +1,11 @@
-"""What a stage does at each module call of the model's forward, and where its values go."""
+"""A model's capture plan: its atom calls, the values that cross stages, what each stage holds."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-# Where a value is taken from, or put, in a run of the model's forward: the leaf `leaf` (in
-# torch.utils._pytree's flattening) of the arguments of atom call `at` ("arg"), of what that
-# call returned ("out"), of what glue op `at` returned ("op": the glue's torch calls counted
-# in order), or of the model's output ("end").
-Site = tuple[str, int, int]
+from gpipe_fast.capture.identity import Identities
 
 
 @dataclass
@@ -23,36 +18,40 @@ class Call:
 
 
 @dataclass
+class Value:
+    """A tensor of the forward as the plan knows it: its identity (see capture/identity.py),
+    how it is made ("input", "state", "out": an atom's output, "sub": an output of a module
+    inside an atom, "op": a glue op's output), and where."""
+
+    key: int
+    kind: str
+    what: str  # for messages: "output 0 of 'model.layers.1' (call 3)", ...
+    stages: frozenset[int]  # the stages whose atoms it derives from
+    inputs: tuple[int, ...] = ()  # a glue op's input values (their keys)
+    dtype: Any = None
+    call: int = -1  # "out"/"sub": the atom call that makes it; "op": the calls before it
+    name: str = ""  # "state": the tensor's name in the model; "sub": the module's name
+    nth: int = 0  # "sub": which call of that module inside the atom call
+    leaf: int = 0  # "out"/"sub": which tensor leaf of the output
+
+
+@dataclass
 class Route:
-    """A value computed on one stage and needed by others: its producer takes it at
-    `capture`; each consumer puts it at its `deliver` sites (none for the model's inputs,
-    which a stage's forward is called with)."""
+    """A value one stage computes and later stages need: taken where its producer makes it,
+    put where each consumer makes its placeholder of it (the same identity on every stage)."""
 
-    key: str
+    key: str  # its name on the wire ("v0", ...; "input:<name>" for the model's inputs)
     producer: int
-    floating: bool  # a floating tensor: its gradient goes back to the producer
-    capture: Site
-    deliver: dict[int, list[Site]] = field(default_factory=dict)
-
-    @property
-    def consumers(self) -> set[int]:
-        return set(self.deliver)
+    value: int  # the Value's key (-1 for the model's inputs)
+    consumers: list[int] = field(default_factory=list)
+    floating: bool = True  # a floating tensor: its gradient goes back to the producer
+    what: str = ""
 
 
 @dataclass
-class StageSites:
-    """One stage's sites by kind and index: leaf -> route key, to capture or to put."""
-
-    capture: dict[str, dict[int, dict[int, str]]]
-    put: dict[str, dict[int, dict[int, str]]]
-
-    def any_ops(self) -> bool:
-        return bool(self.capture.get("op") or self.put.get("op"))
-
-
-@dataclass
-class Plan:
-    """The forward's atom calls in order, the routes between stages, and the inputs."""
+class CapturePlan:
+    """The forward's atom calls in order, the routes between stages, the model's inputs, and
+    the identities of the values the stages take and put."""
 
     stages: int
     calls: list[Call]
@@ -63,39 +62,41 @@ class Plan:
     tensor_inputs: list[str]
     constant_inputs: dict[str, Any]
     positional: int  # how many of the inputs are positional
-    # Per glue op that a site names: how many atom calls come before it.
-    calls_before_op: dict[int, int] = field(default_factory=dict)
-    # Per stage, the index of the last call it must reach (its own, or a capture for
-    # another stage); the last stage, and a producer of an output leaf, run to the end.
-    last_needed: list[int] = field(default_factory=list)
+    training: bool = True  # the model's mode the plan was made in
+    identities: Identities = field(default_factory=Identities)
+    values: dict[int, Value] = field(default_factory=dict)  # those routes and reads name
+    # Per stage: the model's parameters and buffers its glue reads (by name), which the
+    # stage holds as its own (several stages: replicas, their gradients summed as ties').
+    reads: list[list[str]] = field(default_factory=list)
     # The atoms of each stage by name (a module called by several stages is in each).
     atoms: list[list[str]] = field(default_factory=list)
+    # The names of the parameters and buffers the glue reads at all: keyed on every stage.
+    state_names: list[str] = field(default_factory=list)
+    # The atom calls whose inner modules' outputs the glue reads (transformers' recorded
+    # router logits, say): every stage runs their placeholders each time, so that the hooks
+    # recording them run alike on every stage.
+    side_calls: list[int] = field(default_factory=list)
+    # The modules whose calls span several stages (the model itself, ...), by name.
+    glue: list[str] = field(default_factory=list)
+    # The class of a KV cache the model returns (transformers' use_cache=True), or "".
+    cache: str = ""
 
     def input_key(self, name: str) -> str:
         return f"input:{name}"
 
     def consumed_by(self, stage: int) -> list[Route]:
-        return [r for r in self.routes.values() if stage in r.deliver]
+        return [r for r in self.routes.values() if stage in r.consumers]
 
     def produced_by(self, stage: int) -> list[Route]:
         return [r for r in self.routes.values() if r.producer == stage]
 
-    def sites(self, stage: int) -> StageSites:
-        capture: dict[str, dict[int, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
-        put: dict[str, dict[int, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
-        for route in self.routes.values():
-            kind, at, leaf = route.capture
-            if route.producer == stage and kind != "input":
-                capture[kind][at][leaf] = route.key
-            for kind, at, leaf in route.deliver.get(stage, []):
-                put[kind][at][leaf] = route.key
-        return StageSites(capture, put)
+    def takes(self, stage: int) -> dict[int, str]:
+        """What `stage` takes for others: value key -> route key."""
+        return {r.value: r.key for r in self.produced_by(stage) if r.value >= 0}
 
-    def reach(self, site: Site) -> int:
-        """The last call a stage must finish to have passed `site` (len(calls): the end)."""
-        kind, at, _ = site
-        if kind in ("arg", "out"):
-            return at
-        if kind == "op":
-            return self.calls_before_op[at]
-        return len(self.calls)
+    def puts(self, stage: int) -> dict[int, str]:
+        """What `stage` puts in place of its placeholders: value key -> route key."""
+        return {r.value: r.key for r in self.consumed_by(stage) if r.value >= 0}
+
+    def own_calls(self, stage: int) -> int:
+        return sum(call.stage == stage for call in self.calls)

@@ -12,7 +12,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gpipe_fast.capture.discover import _record, as_inputs, planning_copy, repeated_blocks
+from gpipe_fast.capture.copies import planning_copy
+from gpipe_fast.capture.discover import _record, as_inputs, repeated_blocks
 
 Partition = Callable[[list[float], int], list[int]]
 SPLIT_BY = ("params", "time")

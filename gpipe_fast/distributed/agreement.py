@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.nn.parameter import is_lazy
 
-from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.distributed.process_groups import _attempt
+from gpipe_fast.errors import PeerFailure
 
 # Builds are made in the same order on every rank: their number keys their store entries.
 _BUILDS = itertools.count()

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from gpipe_fast.distributed.guard import LOST_CONNECTION, Guard, PeerFailure
+from gpipe_fast.distributed.guard import LOST_CONNECTION, Guard
+from gpipe_fast.errors import PeerFailure
 
 
 def is_lost_connection(error: BaseException) -> bool:

@@ -6,9 +6,9 @@ the step path's other side (runtime/one_process.py) does none of it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,6 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups, pipe_guard
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
-from gpipe_fast.distributed.transports.across import skips_between_ranks
-from gpipe_fast.distributed.transports.registry import PipeMedia, make_transport, open_media
 from gpipe_fast.nn.items import Counting, count_items, step_items
 from gpipe_fast.nn.microbatch import (
     BatchShare,
@@ -36,9 +34,9 @@ from gpipe_fast.nn.microbatch import (
 )
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport.processes.across import skips_between_ranks
+from gpipe_fast.transport.processes.registry import PipeMedia, make_transport, open_media
 from gpipe_fast.transport.protocol import Transport
-
-T = TypeVar("T")
 
 
 def rank_share(
@@ -209,9 +207,10 @@ class CrossProcess:
             counting=counting,
         )  # fmt: skip
 
-    def run(self, run: Callable[[], T], *, backward: bool) -> T:
-        """Runs this rank's part of a step (`run`: its schedule, its sends awaited and, after
-        a `backward`, after_backward), telling every rank of a failure. A backward's sums
+    @contextmanager
+    def running(self, *, backward: bool) -> Iterator[None]:
+        """Around this rank's part of a step (its schedule, its sends awaited and, after a
+        `backward`, after_backward), telling every rank of a failure. A backward's sums
         across ranks see this step's gradients only; sharded cells start every step resharded
         and end it checked (the replicas ran the same tasks) and resharded."""
         sharding = self.sharding
@@ -222,7 +221,7 @@ class CrossProcess:
         )
         with held:
             try:
-                result = run()
+                yield
             except BaseException as error:
                 self.report(error)
                 raise
@@ -233,7 +232,11 @@ class CrossProcess:
             except BaseException as error:
                 self.report(error)
                 raise
-        return result
+
+    def before_step(self) -> None:
+        """Each tie's device replicas made equal to its tensor here."""
+        if self.tied:
+            self.tied.before_step()
 
     def interrupt(self) -> None:
         """Ctrl-C stopped this rank's run: every rank is told at once, as of a failure, so

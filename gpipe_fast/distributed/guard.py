@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import _thread
 import atexit
-import queue
 import re
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +12,8 @@ from typing import Any, TypeVar
 
 from gpipe_fast import _C
 from gpipe_fast.distributed.liveness import Processes
+from gpipe_fast.distributed.waiters import Waiters, wait_all
+from gpipe_fast.errors import PeerFailure as PeerFailure  # its home before errors.py
 
 # How often a waiting rank looks in the store for another rank's failure.
 CHECK_EVERY_S = 0.05
@@ -24,10 +23,6 @@ LINGER_S = 10.0
 # How long a broken connection waits to see its other end's process end: a dying process's
 # sockets close an instant before its pid shows it ended.
 DEATH_GRACE_S = 0.2
-# How long a helper thread of the waits may take to start before the wait that needed it
-# fails (under an address-space cap a thread may not get its stack, or die as it starts).
-THREAD_START_S = 10.0
-
 T = TypeVar("T")
 
 # A wait on another rank cannot be cancelled, so a helper thread may still be blocked in one
@@ -36,10 +31,6 @@ T = TypeVar("T")
 # after every other atexit handler of the package (pipes closed, failures read).
 _C.install_exit_guard()
 atexit.register(_C.interpreter_exiting)
-
-
-class PeerFailure(RuntimeError):
-    """Another rank's step failed, or a rank stopped answering: this rank's step stops too."""
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
@@ -81,80 +72,6 @@ def _ranks(ranks: Sequence[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks))
-
-
-def _wait_all(requests: Sequence[Any]) -> None:
-    for request in requests:
-        request.wait()
-
-
-class _Waiting:
-    """One submission to the waiters: done once its requests are, with their error if any."""
-
-    def __init__(self, requests: Sequence[Any]) -> None:
-        self.requests = requests
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _Waiters:
-    """Helper threads that wait for requests, so that a wait that never ends (a peer that
-    stopped sending) holds up neither its caller nor the interpreter's exit. A thread is
-    started when a submission finds none free (so each wait in flight has one), and must say
-    it started within THREAD_START_S: one that cannot start (no memory for its stack, or it
-    died as it began) fails the wait that needed it at once, which fails the step on every
-    rank, instead of leaving that wait unserved until the timeout. (Plain threads of _thread:
-    threading's start() would wait for ever for a thread that died as it began.)"""
-
-    def __init__(self) -> None:
-        # None tells a thread to end (see close).
-        self.queue: queue.Queue[_Waiting | None] = queue.Queue()
-        self.lock = threading.Lock()
-        self.free = 0  # threads waiting for a submission, less the submissions queued
-        self.started = 0
-
-    def _serve(self, started: threading.Event) -> None:
-        started.set()
-        while True:
-            waiting = self.queue.get()
-            if waiting is None:
-                return
-            try:
-                _wait_all(waiting.requests)
-            except BaseException as error:
-                waiting.error = error
-            with self.lock:  # free before its waiter hears: the next wait finds this thread
-                self.free += 1
-            waiting.done.set()
-
-    def submit(self, requests: Sequence[Any]) -> _Waiting:
-        with self.lock:
-            if self.free > 0:
-                self.free -= 1
-            else:
-                self._start()
-        waiting = _Waiting(requests)
-        self.queue.put(waiting)
-        return waiting
-
-    def _start(self) -> None:
-        """One more thread, which takes the submission being made (caller holds the lock)."""
-        started = threading.Event()
-        _thread.start_new_thread(self._serve, (started,))  # RuntimeError if it cannot
-        if not started.wait(THREAD_START_S):
-            raise RuntimeError(
-                f"gpipe_fast: a thread to wait on another rank did not start within "
-                f"{THREAD_START_S:g} s (out of memory?)"
-            )
-        self.started += 1
-
-    def close(self) -> None:
-        """Ends the threads without waiting for them: an idle one at once, one still blocked
-        in a wait given up (a failed step) once that wait ends."""
-        with self.lock:
-            for _ in range(self.started):
-                self.queue.put(None)
-            self.started = self.free = 0
 
 
 class Guard:
@@ -205,7 +122,7 @@ class Guard:
         self.processes = processes
         # Ranks this one found dead or silent: they will not read a failure.
         self.gone: set[int] = set()
-        self._waiters = _Waiters()
+        self._waiters = Waiters()
         _lingering.add(self)
 
     def report(self, message: str, rank: int | str | None = None) -> None:
@@ -315,7 +232,7 @@ class Guard:
         collective: where a lost connection may lead)."""
         requests: list[Any] = list(request) if isinstance(request, (list, tuple)) else [request]
         if all(r.is_completed() for r in requests):
-            _wait_all(requests)  # done (NCCL and collectives report it): raise their errors
+            wait_all(requests)  # done (NCCL and collectives report it): raise their errors
             return
         waiting = self._waiters.submit(requests)
         suspects = _group_ranks(group) or (() if peer is None else (peer,))

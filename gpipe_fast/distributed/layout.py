@@ -49,8 +49,14 @@ class ProcessLayout:
         return self.pp_ranks[self.stage_rank(stage)]
 
     @property
-    def local_stages(self) -> list[int]:
+    def local_cells(self) -> list[int]:
+        """The cells this process runs (the native core's stages: `stages`, `stage_rank`)."""
         return [s for s in range(self.stages) if self.is_local(s)]
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The older name of `local_cells`, kept."""
+        return self.local_cells
 
 
 def check_groups(pp_group: Any | None, dp_group: Any | None) -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from gpipe_fast.distributed.guard import Guard, PeerFailure
+from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import (
@@ -21,8 +21,9 @@ from gpipe_fast.distributed.shm_links import (
     SIGNATURE_TAG,
     ShmLinks,
 )
-from gpipe_fast.distributed.transports.wire import DTYPES
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.microbatch import split_sizes
+from gpipe_fast.transport.wire import DTYPES
 
 # Pipes are built in the same order on every rank: their number keys their store entries.
 _PIPES = itertools.count()

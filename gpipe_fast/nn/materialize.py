@@ -63,6 +63,25 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
     yield from module.named_buffers(recurse=False)
 
 
+def _shared_places(modules: list[tuple[str, nn.Module]]) -> list[list[tuple[str, str]]]:
+    """The places (module path, name) of each parameter held by several modules of a cell (a
+    tied embedding and head in one cell): to_empty gives each place a tensor of its own."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for path, module in modules:
+        for name, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((path, name))
+    return [found for found in places.values() if len(found) > 1]
+
+
+def _share_again(modules: list[tuple[str, nn.Module]], shared: list[list[tuple[str, str]]]) -> None:
+    """Each shared parameter's places given the first place's new tensor again."""
+    by_path = dict(modules)
+    for (first_path, first_name), *others in shared:
+        param = by_path[first_path]._parameters[first_name]
+        for path, name in others:
+            by_path[path]._parameters[name] = param
+
+
 def _can_hold_nan(tensor: Tensor) -> bool:
     return tensor.is_floating_point() or tensor.is_complex()
 
@@ -92,8 +111,10 @@ def materialize(
         for name, tensor in _own_tensors(module)
         if not tensor.is_meta
     }
+    shared = _shared_places(modules)
     cell = cell.to_empty(device=device)
     modules = list(_post_order(cell))
+    _share_again(modules, shared)
     reached: set[str] = set()  # modules with an initialisation of their own
     with torch.no_grad():
         for path, module in modules:

@@ -77,7 +77,7 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
         pipe.record_timeline(False)
         for param in params:
             param.grad = None
-    local = cell_costs(timelines, pipe.layout.local_stages)
+    local = cell_costs(timelines, pipe.layout.local_cells)
     found: dict[int, StageCosts] = {}
     for part in agreement.gathered(local):
         found.update(part)

@@ -9,7 +9,7 @@ the fill-drain backward through the nodes of bridge.py::
     stage1     F0  F1  F2  F3             stage 0:       R3 R2 .. .. B3 R1 ...
     stage2         F0  F1  F2  F3
 
-Every other step runs as one schedule through runtime/step_path.py.
+Every other step runs as one schedule through Pipeline.run (runtime/pipeline.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def autograd_call(
     """The output of pipe(x), whose backward (when grad mode records one) runs the pipe's
     fill-drain backward, recomputing the micro-batches `checkpoint` drops in training."""
     if pipeline.cross is not None and (torch.is_grad_enabled() or pipeline.layout.multi_process):
-        raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: runtime/step_path.py
+        raise RuntimeError(GROUPS_NEED_STEPS)  # without gradients: Pipeline.run
     with torch.no_grad():
         microbatches = scatter(input, chunks)
     given = as_tensors(input, "input")
@@ -53,16 +53,19 @@ def autograd_call(
     )
     input_needs_grad = [track and t.requires_grad for t in given]
     flags = recomputed_microbatches(checkpoint if training else "never", len(microbatches))
-    step = Step(pipeline, microbatches, input_needs_grad, [flags] * len(pipeline.cells), track)
+    step = Step(
+        pipeline, microbatches, input_needs_grad, [flags] * len(pipeline.cells), track,
+        transport=pipeline.make_transport(),
+    )  # fmt: skip
     if track:
         pipeline.live_steps.add(step)
-    if pipeline.tied:
-        pipeline.tied.before_step()
+    pipeline.side.before_step()
     runner = pipeline.runner
     sharding = pipeline.sharding  # replicas under no_grad (dp_group alone): FSDP's gathers
     if sharding is not None:
         sharding.start_step()
-    outputs = runner.committed(lambda: runner.forward(step))
+    with runner.committed():
+        outputs = runner.forward(step)
     if sharding is not None:
         sharding.check_order()
         sharding.reshard()

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.nn.randomness import draw_step_seed
 from gpipe_fast.runtime.cell import AutocastState
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.protocol import Transport
 
 LossFn = Callable[[Any, Any], Tensor]
+
+
+class ShardedCell(Protocol):
+    """What a stage uses of its cell sharded over dp (FSDP2): distributed/sharded.py's, which
+    the pipeline wires in, so that the step's own modules need nothing of distributed/."""
+
+    def task(self, action: str, microbatch: int) -> AbstractContextManager[None]: ...
+    def gather(self) -> None: ...
+    def backward_done(self, count: int) -> None: ...
+    def layer_parameters(self) -> list[list[Tensor]]: ...
+    def reset(self) -> None: ...
+
+
+class ShardedCells(Protocol):
+    """The cells sharded over dp, by index (distributed/sharded.py's Sharding)."""
+
+    @property
+    def cells(self) -> Mapping[int, ShardedCell]: ...
 
 
 @dataclass(frozen=True)
@@ -32,7 +50,7 @@ class StageServices:
     recompute_memory: RecomputeMemory | None = None
     reduce_gradients: Callable[[int], None] | None = None
     skips: SkipLayout | None = None
-    sharding: Sharding | None = None  # the stages sharded over dp (FSDP2); None: replicated
+    sharding: ShardedCells | None = None  # the stages sharded over dp (FSDP2); None: replicated
 
 
 class StepContext:

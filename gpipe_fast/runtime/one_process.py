@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.transports.registry import IN_PROCESS, PipeMedia
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
 from gpipe_fast.nn.tied import TiedGradients
+from gpipe_fast.transport.choice import InProcessMedia
 from gpipe_fast.transport.local import LocalTransport
 from gpipe_fast.transport.protocol import Transport
-
-T = TypeVar("T")
 
 
 class OneProcess:
@@ -26,7 +25,7 @@ class OneProcess:
 
     def __init__(self, tied: TiedGradients | None) -> None:
         self.tied = tied
-        self.media = PipeMedia(IN_PROCESS)
+        self.media = InProcessMedia()
 
     def report(self, error: BaseException) -> None:
         """Nobody else to tell: the step's error reaches its caller."""
@@ -45,8 +44,15 @@ class OneProcess:
     ) -> BatchShare:
         return whole_batch(input, target, chunks, needs_target=needs_target, counting=counting)
 
-    def run(self, run: Callable[[], T], *, backward: bool) -> T:
-        return run()
+    @contextmanager
+    def running(self, *, backward: bool) -> Iterator[None]:
+        """Nothing around a step here: its failure reaches its caller."""
+        yield
+
+    def before_step(self) -> None:
+        """Each tie's replicas on other devices made equal to its tensor."""
+        if self.tied:
+            self.tied.before_step()
 
     def after_backward(self) -> None:
         """Each tie's gradient summed from its replicas on other devices into its tensor."""

@@ -2,23 +2,25 @@
 
 The side its steps run on is one process, or this rank's part across processes.
 
-Steps run elsewhere: pipe(x) in one process through runtime/autograd_call.py, every other
-step (train_step, eval_step, pipe(x) without gradients across processes) through
-runtime/step_path.py. The schedule kinds: "gpipe", "1f1b", "interleaved", "zero_bubble",
+Every step but one runs here, as one whole schedule (`Pipeline.run`: train_step, eval_step,
+pipe(x) without gradients across processes); pipe(x) with gradients in one process runs
+through runtime/autograd_call.py. The schedule kinds: "gpipe", "1f1b", "interleaved", "zero_bubble",
 "zbv" and any registered (gpipe_fast/schedule/registry.py).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from gpipe_fast import _C
+from gpipe_fast.arguments import check_loss_arguments
 from gpipe_fast.device.recompute_pool import RecomputeMemory
 from gpipe_fast.device.streams import CellStreams
 from gpipe_fast.distributed.driver import CrossProcess
@@ -27,6 +29,8 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
+from gpipe_fast.nn.microbatch import BatchShare, Value, gather
+from gpipe_fast.nn.pytree import Tree
 from gpipe_fast.nn.randomness import DrawWatch
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.runtime.cell import Cell
@@ -34,7 +38,14 @@ from gpipe_fast.runtime.context import StageServices
 from gpipe_fast.runtime.one_process import OneProcess
 from gpipe_fast.runtime.runner import Runner
 from gpipe_fast.runtime.step import Step
-from gpipe_fast.runtime.step_request import StepSide
+from gpipe_fast.runtime.step_path import (
+    accumulate_input_grads,
+    check_items,
+    set_loss,
+    teller,
+    without_items,
+)
+from gpipe_fast.runtime.step_request import StepRequest, StepSide
 from gpipe_fast.schedule.cache import ScheduleCache
 from gpipe_fast.schedule.registry import schedule_kind
 from gpipe_fast.skip.layout import SkipLayout
@@ -114,14 +125,14 @@ class Pipeline:
         self.cross: CrossProcess | None = None
         if hosts is not None:
             here = [cell.module if cell is not None else None for cell in self.cells]
-            device = self.devices[self.layout.local_stages[0]]
+            device = self.devices[self.layout.local_cells[0]]
             self.cross = CrossProcess.open(
                 self.layout, device, hosts, timeout_s, here, tied, skips, ready
             )
         self.side: StepSide = self.cross if self.cross is not None else OneProcess(tied)
         # The media between the pipeline group's processes, chosen once per pipe.
         self.media = self.side.media
-        self.transport = self.media.choice
+        self.transport_choice = self.media.choice
         self.schedules = ScheduleCache(
             self.stage_workers,
             schedule,
@@ -213,6 +224,93 @@ class Pipeline:
     def make_transport(self) -> Transport:
         """A step's transport: in-process, or across the pipeline group's processes."""
         return self.side.make_transport(self.streams, self.devices)
+
+    # -- the step path: a StepRequest run as one whole schedule on the pipe's side ---------
+
+    def run(self, request: StepRequest, input: Value | None, target: Any) -> Any:
+        """Runs `request` on the pipe's side: the loss of the whole batch on every rank
+        (train, evaluate), or the output of the whole batch where the last cell runs (forward;
+        None elsewhere). A training step adds the input's gradient into the caller's tensors.
+        While recording, a train or evaluate call's own time is kept (for gf.plan)."""
+        if request.program == "forward":
+            return self._forward(request, input)
+        start = time.perf_counter()
+        check_loss_arguments(request.loss_fn, request.reduction)
+        share = self.side.share(
+            input, target, request.chunks,
+            needs_target=self.needs_target(target), counting=request.counting,
+        )  # fmt: skip
+        check_items(request, share)
+        if request.program == "train":
+            loss = self._train(request, share)
+        else:
+            loss = self._evaluate(request, share)
+        if self.recording:
+            self.recorded_call_s = time.perf_counter() - start
+        return loss
+
+    def _train(self, request: StepRequest, share: BatchShare) -> Tensor:
+        """Every forward, loss and backward of the share, in one run."""
+        schedule, flags = self.schedules.train_step(share.count, request.checkpoint)
+        needs_grad = [t.requires_grad for t in share.given]
+        step = Step(
+            self, share.microbatches, needs_grad, flags, True,
+            transport=self.make_transport(), count=share.count, split=self.split_backward,
+        )  # fmt: skip
+        set_loss(step, request, share)
+        loss = self.side.loss(self._run(step, schedule, request, share, backward=True))
+        if share.given:
+            accumulate_input_grads(share.given, step.input_needs_grad, step.context.input_grads)
+        return loss
+
+    def _evaluate(self, request: StepRequest, share: BatchShare) -> Tensor:
+        """The forwards and losses of the share, in one run that records no graph."""
+        schedule = self.schedules.forward_only(share.count, loss=True)
+        step = self._forward_only_step(share)
+        set_loss(step, request, share)
+        return self.side.loss(self._run(step, schedule, request, share, backward=False))
+
+    def _forward(self, request: StepRequest, input: Value | None) -> Tree | None:
+        """The forwards alone, in one run that records no graph: the output where the last
+        cell runs."""
+        share = self.side.share(input, None, request.chunks, needs_target=False)
+        schedule = self.schedules.forward_only(share.count, loss=False)
+        step = self._forward_only_step(share)
+        self._run(step, schedule, request, share, backward=False)
+        last = step.stages[-1]
+        return None if last is None else gather(last.outputs)
+
+    def _forward_only_step(self, share: BatchShare) -> Step:
+        """A step that records no graph: nothing needs a gradient, nothing is checkpointed."""
+        never = [[False] * share.count for _ in self.cells]
+        nothing = [False] * len(share.given)
+        return Step(
+            self, share.microbatches, nothing, never, False,
+            transport=self.make_transport(), count=share.count,
+        )  # fmt: skip
+
+    def _run(
+        self, step: Step, schedule: Any, request: StepRequest, share: BatchShare, *, backward: bool
+    ) -> Tensor | None:
+        """This process's part of `step`: the side's hooks in order around one run of
+        `schedule`; this process's loss (None: none here)."""
+        tell = teller(request, share)
+        if tell is not None:
+            assert share.items is not None
+            tell(max(share.items.total, 1))  # without any item, no micro-batch's loss is used
+        try:
+            with self.side.running(backward=backward):
+                self.side.before_step()
+                with self.runner.committed():
+                    local = self.runner.whole_step(step, schedule)
+                step.context.transport.finish()
+                if backward:
+                    self.side.after_backward()
+                local = without_items(local, share)
+        finally:
+            if tell is not None:
+                tell(None)
+        return local
 
     def task_failed(self, error: BaseException) -> None:
         """Tells the other processes at once, so that their waits end (multi-process)."""

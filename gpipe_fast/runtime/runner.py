@@ -6,14 +6,15 @@ executor, whose workers call Step.run_task."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.batchnorm import DeferredBatchNorm
 from gpipe_fast.nn.microbatch import as_tensors
 from gpipe_fast.nn.pytree import Tree
@@ -101,20 +102,20 @@ class Runner:
         if own is not None:
             raise own
 
-    def committed(self, run: Callable[[], Any]) -> Any:
-        """Runs `run()` under the run lock and folds deferred BatchNorm statistics in after
-        it: a failed step's statistics never reach the next commit, and a step run from
+    @contextmanager
+    def committed(self) -> Iterator[None]:
+        """Holds the run lock around a step's run and folds deferred BatchNorm statistics in
+        after it: a failed step's statistics never reach the next commit, and a step run from
         another thread is not folded into this one's."""
         with self._lock:
             try:
-                result = run()
+                yield
             except BaseException:
                 for layer in self.deferred_batch_norms:
                     layer.discard()
                 raise
             for layer in self.deferred_batch_norms:
                 layer.commit()
-        return result
 
     # -- phases: on the caller's thread ----------------------------------------------------
 
@@ -146,10 +147,10 @@ class Runner:
         self.after_backward()
         return step.context.input_grads
 
-    def train(self, step: Step, schedule: Any) -> Tensor:
-        """Every task of a training step (forward, loss, backward), or of an evaluation's
-        forward-only run, in one run of `schedule`; the step's loss (None where this process
-        computed none)."""
+    def whole_step(self, step: Step, schedule: Any) -> Tensor | None:
+        """Every task of a step in one run of `schedule` (a training step's forward, loss and
+        backward; an evaluation's forwards and losses; the forwards alone); the step's loss
+        (None where this process computed none)."""
         if step.first_input is not None:
             self.streams.cell_waits_caller(0, as_tensors(step.first_input, "input"))
         names = step.action_names
@@ -165,5 +166,5 @@ class Runner:
             self.streams.join_caller(device)
         losses = [loss for loss in step.context.losses if loss is not None]
         if not losses:
-            return None  # type: ignore[return-value]  # the last cell runs in another process
+            return None  # the last cell runs in another process
         return torch.stack(losses).sum() if len(losses) > 1 else losses[0]

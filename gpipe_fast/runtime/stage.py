@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
@@ -12,100 +12,20 @@ from torch import Tensor
 from gpipe_fast.nn.buffer_writes import Snapshot
 from gpipe_fast.nn.pytree import Tree, tensors_of, with_tensors
 from gpipe_fast.nn.randomness import LOSS, TaskStream, task_seed
+from gpipe_fast.runtime.backward_calls import (
+    aligned,
+    grad_of,
+    run_backward,
+    run_grad,
+    whole_backward,
+    with_graph,
+)
 from gpipe_fast.runtime.cell import Boundary, Cell
 from gpipe_fast.runtime.context import StepContext
+from gpipe_fast.runtime.micro_loss import scalar_loss, weighted
 from gpipe_fast.skip.cell_tracker import CellSkipTracker
 from gpipe_fast.skip.tracker import SkipKey
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Flow
-
-
-def _engine_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-    """torch.autograd.backward straight into the engine: the public call checks its
-    arguments (~20 us a call: a symbolic shape comparison per root) and the private wrapper
-    adds a few more; here roots and gradients come from the pipe itself and match by
-    construction. Falls back to the public call if torch moves the entry point."""
-    _run_engine(tuple(roots), tuple(grads), False, False, (), True, True)
-
-
-def _public_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-    torch.autograd.backward(list(roots), list(grads))
-
-
-def _engine_grad(
-    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
-) -> tuple[Tensor | None, ...]:
-    """torch.autograd.grad(allow_unused=True) straight into the engine, as above."""
-    return _run_engine(tuple(roots), tuple(grads), retain, False, tuple(inputs), True, False)
-
-
-def _public_grad(
-    roots: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor], retain: bool
-) -> tuple[Tensor | None, ...]:
-    return torch.autograd.grad(roots, inputs, grads, retain_graph=retain, allow_unused=True)
-
-
-try:
-    _run_engine = torch.autograd.Variable._execution_engine.run_backward
-except AttributeError:  # pragma: no cover - a torch without the engine handle
-    run_backward, run_grad = _public_backward, _public_grad
-else:
-    run_backward, run_grad = _engine_backward, _engine_grad
-
-
-def _aligned(
-    tensors: Sequence[Tensor], wanted: Sequence[Tensor], got: Sequence[Any]
-) -> tuple[Any, ...]:
-    """Per tensor of `tensors`, its gradient from `got` (computed for `wanted`, the tensors
-    among them that require a gradient), or None."""
-    by_id = {id(t): g for t, g in zip(wanted, got, strict=True)}
-    return tuple(by_id.get(id(t)) for t in tensors)
-
-
-def _grad_of(tensor: Tensor | None) -> Tensor | None:
-    """The gradient accumulated on a leaf, None when it has none or needs none."""
-    return tensor.grad if tensor is not None and tensor.requires_grad else None
-
-
-def _with_graph(roots: list[Tensor], grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-    """The roots with a graph behind them, and their gradients: a leaf root (a stashed
-    input of a layer) leads to no weight."""
-    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if r.grad_fn is not None]
-    return [r for r, _ in pairs], [g for _, g in pairs]
-
-
-def _whole_backward(
-    roots: list[Tensor],
-    grads: list[Tensor],
-    inputs: tuple[Tensor, ...],
-    wanted: list[Tensor],
-    params: list[Tensor],
-) -> tuple[Tensor | None, ...]:
-    """One layer's whole backward: its weights' gradients accumulated, its inputs' returned
-    (per input, None where it needs none)."""
-    if not roots:
-        return (None,) * len(inputs)
-    torch.autograd.backward(roots, grads, inputs=[*wanted, *params])
-    found = tuple(t.grad if t.requires_grad else None for t in inputs)
-    for tensor in wanted:  # the layer's input leaves: their gradient goes on, not kept
-        tensor.grad = None
-    return found
-
-
-def _scalar_loss(value: object) -> Tensor:
-    """What loss_fn returned, which must be the scalar loss of its micro-batch."""
-    if not isinstance(value, Tensor) or value.dim() != 0:
-        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-        raise TypeError(
-            f"loss_fn must return a scalar (0-dim) tensor, the loss of its micro-batch; got {shape}"
-        )
-    return value
-
-
-def _weighted(loss: Tensor, weight: float) -> Tensor:
-    """The loss times its weight; a weight of 0 (no counted item) gives 0, not 0 * NaN."""
-    if weight == 0.0:
-        return torch.zeros_like(loss)
-    return loss * weight if weight != 1.0 else loss
 
 
 class Stage:
@@ -270,7 +190,7 @@ class Stage:
             self._enter_loss_context(stack, m)
             if not torch.is_grad_enabled():
                 stack.enter_context(torch.enable_grad())
-            value = _scalar_loss(context.loss_fn(with_tensors(output, leaves), target))
+            value = scalar_loss(context.loss_fn(with_tensors(output, leaves), target))
             # The weight enters as the loss's incoming gradient: no extra op in the graph.
             weight = context.loss_weights[m]
             wanted = [t for t in leaves if t.requires_grad]
@@ -284,8 +204,8 @@ class Stage:
                 # A grad_scaler's scale: the loss returned stays unscaled.
                 if context.loss_scale is not None:
                     seed = seed * context.loss_scale.to(seed.device, non_blocking=True)
-                grads = _aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
-        context.losses[m] = _weighted(value.detach(), weight)
+                grads = aligned(leaves, wanted, run_grad((value,), (seed,), wanted, False))
+        context.losses[m] = weighted(value.detach(), weight)
         context.transport.deliver(GRADIENT, self.index, m, grads)
 
     def _loss_value(self, m: int) -> None:
@@ -298,8 +218,8 @@ class Stage:
         with ExitStack() as stack:
             self._enter_loss_context(stack, m)
             stack.enter_context(torch.no_grad())
-            value = _scalar_loss(context.loss_fn(output, target))
-        context.losses[m] = _weighted(value, context.loss_weights[m])
+            value = scalar_loss(context.loss_fn(output, target))
+        context.losses[m] = weighted(value, context.loss_weights[m])
 
     def _enter_loss_context(self, stack: ExitStack, m: int) -> None:
         """What loss_fn runs under: the stage's stream, the caller's autocast and, in a step
@@ -341,7 +261,7 @@ class Stage:
         inputs = tensors_of(self.inputs[m])
         if self.receives:
             received = self.skips_in[m] or {}
-            self._send_skip_grads(m, {key: _grad_of(received.get(key)) for key, _ in self.receives})
+            self._send_skip_grads(m, {key: grad_of(received.get(key)) for key, _ in self.receives})
         self._pass_back(m, tuple(t.grad if t.requires_grad else None for t in inputs))
 
     def backward_input(self, m: int) -> None:
@@ -382,15 +302,15 @@ class Stage:
                 wanted = [t for t in inputs if t.requires_grad]
                 ran = ran or bool(roots and (wanted or learning[i]))
                 if whole is not None and whole[i] and learning[i]:
-                    grads = _whole_backward(roots, root_grads, inputs, wanted, learning[i])
+                    grads = whole_backward(roots, root_grads, inputs, wanted, learning[i])
                 else:
                     if roots and learning[i]:
-                        with_graph = _with_graph(roots, root_grads)
-                        if with_graph[0]:
-                            weight_roots.append(with_graph)
+                        graphed = with_graph(roots, root_grads)
+                        if graphed[0]:
+                            weight_roots.append(graphed)
                     if roots and wanted:
                         got = run_grad(roots, root_grads, wanted, bool(learning[i]))
-                        grads = _aligned(inputs, wanted, got)
+                        grads = aligned(inputs, wanted, got)
                     else:
                         grads = (None,) * len(inputs)
                 if popped:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from gpipe_fast.distributed.guard import PeerFailure
+from gpipe_fast.errors import PeerFailure
 from gpipe_fast.nn.microbatch import Value
 from gpipe_fast.runtime import actions as _builtin_handlers  # noqa: F401  (registers them)
 from gpipe_fast.runtime.cell import Cell
@@ -77,8 +77,6 @@ class StepOwner(Protocol):
 
     def may_draw_random(self) -> bool: ...
 
-    def make_transport(self) -> Transport: ...
-
     def task_failed(self, error: BaseException) -> None: ...
 
 
@@ -95,11 +93,12 @@ class Step:
         checkpointed: Sequence[Sequence[bool]],
         track: bool,
         *,
+        transport: Transport,
         count: int | None = None,
         split: bool = False,
     ) -> None:
         """`microbatches`: the input's, when this process runs cell 0 (else empty, and
-        `count` says how many there are)."""
+        `count` says how many there are); `transport`: the step's own, between its cells."""
         self.report = pipeline.task_failed
         # The first error a task of this step raised itself (not another rank's failure).
         self.own_error: BaseException | None = None
@@ -108,7 +107,7 @@ class Step:
         self.track = track
         self.checkpointed = checkpointed
         self.context = StepContext(
-            pipeline.services, pipeline.make_transport(), pipeline.learns, self.count,
+            pipeline.services, transport, pipeline.learns, self.count,
             input_needs_grad, checkpointed, track, split, random=pipeline.may_draw_random(),
         )  # fmt: skip
         cells = pipeline.cells

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
-from gpipe_fast.distributed.transports.registry import PipeMedia
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value
 from gpipe_fast.runtime.context import LossFn
+from gpipe_fast.transport.choice import ChosenMedia
 from gpipe_fast.transport.protocol import Transport
-
-T = TypeVar("T")
 
 # The programs a step may run: every task of a training step; the forwards and losses of an
 # evaluation; the forwards alone (pipe(x) under no_grad across processes).
@@ -50,9 +49,13 @@ class StepRequest:
 
 class StepSide(Protocol):
     """What one side of the step path does around a step: one process, or this rank's
-    part across processes."""
+    part across processes. Pipeline.run calls its hooks in order: share, running (around
+    before_step, the run, and after_backward), loss. Ties are the side's alone: before_step
+    and after_backward are the only places a step touches them."""
 
-    media: PipeMedia
+    @property
+    def media(self) -> ChosenMedia:
+        """The media chosen once for the pipe's steps."""
 
     def report(self, error: BaseException) -> None:
         """Tells whoever else runs the step of a failure here."""
@@ -71,8 +74,12 @@ class StepSide(Protocol):
     ) -> BatchShare:
         """This process's share of the step's batch (with `counting`, and its items)."""
 
-    def run(self, run: Callable[[], T], *, backward: bool) -> T:
-        """Runs this process's part of the step (`run`), with what it needs around it."""
+    def running(self, *, backward: bool) -> AbstractContextManager[None]:
+        """What this process's part of the step (run inside it) needs around it; a
+        `backward` step's sums across ranks see its own gradients only."""
+
+    def before_step(self) -> None:
+        """What a step does before its first task: the ties' device replicas refreshed."""
 
     def after_backward(self) -> None:
         """What a backward leaves to sum once every cell's is done (tied gradients)."""

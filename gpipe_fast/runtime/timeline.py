@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from gpipe_fast import _C
-from gpipe_fast.runtime import picture
+from gpipe_fast.pictures import content, png, svg, trace
 from gpipe_fast.schedule.registry import (
     actions,
     communication_actions,
@@ -320,7 +319,7 @@ class Timeline:
 
     def label(self, span: TaskSpan) -> str:
         """The span's name in pictures and traces: action letter, stage.micro-batch."""
-        return picture.label(span)
+        return content.label(span)
 
     def row_name(self, worker: int) -> str:
         if self.row_names:
@@ -333,36 +332,7 @@ class Timeline:
     def to_chrome_trace(self, path: str | Path) -> None:
         """Writes Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one track per worker,
         one complete ("X") event per span, times in microseconds."""
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "gpipe_fast step"}}
-        ]
-        for worker in range(self.rows):
-            track = {"ph": "M", "pid": 0, "tid": worker}
-            events.append({**track, "name": "thread_name", "args": {"name": self.row_name(worker)}})
-            events.append({**track, "name": "thread_sort_index", "args": {"sort_index": worker}})
-        for span in self.spans:
-            events.append(
-                {
-                    "name": self.label(span),
-                    "cat": span.kind,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": span.row,
-                    "ts": round(span.start_s * 1e6, 3),
-                    "dur": round(span.duration_s * 1e6, 3),
-                    "args": {
-                        "cell": span.cell,
-                        "microbatch": span.microbatch,
-                        "kind": span.kind,
-                        "phase": span.phase,
-                        "task": span.task,
-                        "description": picture.hover(self, span),
-                        **({"clock": self.clocks[span.row]} if self.clocks else {}),
-                    },
-                }
-            )
-        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
-        Path(path).write_text(json.dumps(trace, indent=None) + "\n")
+        trace.to_chrome_trace(self, path)
 
     def plot(self, path: str | Path) -> None:
         """Draws the timeline as a PNG: one row per worker, each task a box coloured by its
@@ -370,16 +340,12 @@ class Timeline:
         of cell 2 on micro-batch 5); a receive, mostly a wait for its data, hatched as idle;
         the legend grouped as compute, communication and idle. Needs matplotlib
         (``gpipe_fast[plot]``); :meth:`to_svg` draws the same with nothing to install."""
-        from gpipe_fast.runtime.plot import plot
-
-        plot(self, path)
+        png.plot(self, path)
 
     def to_svg(self, path: str | Path) -> None:
         """Writes the picture of :meth:`plot` as SVG, without matplotlib; a web browser shows
         each box's task in words (action, cell, micro-batch, times, worker) on hover."""
-        from gpipe_fast.runtime.svg import to_svg
-
-        to_svg(self, path)
+        svg.to_svg(self, path)
 
 
 def _clock(name: str) -> Clock:

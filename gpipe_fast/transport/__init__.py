@@ -1,1 +1,1 @@
-"""How boundary values move between stages: the Transport protocol, in-process, on the wire."""
+"""The transports, in one home: the Transport protocol, in-process, the wire, across processes."""

@@ -22,7 +22,7 @@ Payload = Any
 class Transport(Protocol):
     """Moves what one stage produces to the stage that consumes it. Stages and steps call
     only these, so the same stage code runs in one process (LocalTransport) or across
-    processes (gpipe_fast.distributed.transports)."""
+    processes (gpipe_fast.transport.processes)."""
 
     def send(self, flow: Flow, stage: int, microbatch: int, payload: Payload) -> None:
         """`stage`'s result for its neighbour: activations for stage + 1, gradients for

@@ -10,26 +10,25 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from transformers import Trainer, TrainingArguments
-from transformers.trainer_pt_utils import nested_detach
+from transformers import TrainingArguments
 
 from gpipe_fast.api.any_model import ModelPipe, pipeline
 from gpipe_fast.api.grad_scaler import GradScaler
 from gpipe_fast.integrations.transformers.checkpoints import load_optimizer, save_optimizer
 from gpipe_fast.integrations.transformers.data import example_batch, shard_over_replicas
+from gpipe_fast.integrations.transformers.evaluation import PipeEvaluation
+from gpipe_fast.integrations.transformers.losses import scaled
 from gpipe_fast.integrations.transformers.mesh import Mesh, build_mesh
 from gpipe_fast.integrations.transformers.pretrained import load_adapter, load_pretrained
 from gpipe_fast.integrations.transformers.saving import save_pretrained
 from gpipe_fast.integrations.transformers.split import plan_split_points
-from gpipe_fast.nn.items import ItemMean
 from gpipe_fast.schedule.registry import schedule_kind
 
 TRAINING_ARGS_NAME = "training_args.bin"
 
 
-class PipelineTrainer(Trainer):  # type: ignore[misc]
+class PipelineTrainer(PipeEvaluation):
     """A ``transformers.Trainer`` that trains its model through a :func:`gpipe_fast.pipeline`.
 
     It takes Trainer's arguments, plus the pipe's:
@@ -250,7 +249,7 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         inputs, labels, loss_fn, options = self._loss_of(self._prepare_inputs(inputs),
                                                          num_items_in_batch)  # fmt: skip
         if num_items_in_batch is None:
-            loss_fn = partial(_scaled, loss_fn, 1.0 / self.current_gradient_accumulation_steps)
+            loss_fn = partial(scaled, loss_fn, 1.0 / self.current_gradient_accumulation_steps)
         scaler = getattr(self.accelerator, "scaler", None)
         with self.compute_loss_context_manager(), self.accelerator.autocast():
             loss = pipe.train_step(inputs, labels, loss_fn, grad_scaler=scaler, **options)
@@ -264,64 +263,6 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
         :meth:`prediction_step` run the pipe's steps instead of calling this."""
         loss, outputs = self._evaluate_batch(inputs, keep_outputs=return_outputs)
         return (loss, outputs) if return_outputs else loss
-
-    def _loss_of(
-        self, inputs: dict[str, Any], num_items: Any
-    ) -> tuple[dict[str, Any], Any, Callable[[Any, Any], Tensor], dict[str, Any]]:
-        """(the model's inputs, the step's target, its loss_fn, its keywords): as Trainer,
-        with compute_loss_func or label smoothing the labels leave the inputs and the loss
-        comes from each micro-batch's outputs and labels (summed over `num_items` when
-        given: Trainer's functions divide by it); else the model computes its own loss from
-        its labels, which the pipe counts (or divides by `num_items`)."""
-        if (self.label_smoother is None and self.compute_loss_func is None) or (
-            "labels" not in inputs
-        ):
-            own: dict[str, Any] = {} if num_items is None else {"num_items_in_batch": num_items}
-            if "labels" in inputs and self.model_accepts_loss_kwargs:
-                # A mean over the labels counted as Trainer counts them (a wrapped model,
-                # PEFT's, is one the pipe cannot tell apart by itself).
-                shifted = self._loss_shifts_labels and "shift_labels" not in inputs
-                own["reduction"] = ItemMean(count=_shifted_count if shifted else _count)
-            return inputs, None, _own_loss, own
-        inputs = dict(inputs)
-        labels = inputs.pop("labels")
-        loss_fn = partial(self._labels_loss, num_items_in_batch=num_items)
-        return inputs, labels, loss_fn, {"reduction": "mean" if num_items is None else "sum"}
-
-    def _labels_loss(self, outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Tensor:
-        """One micro-batch's loss from its outputs and labels, as Trainer.compute_loss."""
-        if self.compute_loss_func is not None:
-            return self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)  # type: ignore[no-any-return]
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        shift = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        return self.label_smoother(  # type: ignore[no-any-return]
-            outputs, labels, shift_labels=shift, num_items_in_batch=num_items_in_batch
-        )
-
-    def _get_num_items_in_batch(self, batch_samples: list[Any], device: torch.device) -> Any:
-        """The labels of an accumulation window, counted as Trainer counts them (a causal
-        LM's from the second of each row on, or ``shift_labels``) and summed over the
-        replicas only: a pipeline's ranks read the same batches. None where Trainer passes
-        no count (the model's forward takes none and there is no compute_loss_func)."""
-        counted = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
-        if not batch_samples or "labels" not in batch_samples[0] or not counted:
-            return None
-        try:
-            count = sum(
-                (_counted_labels(batch, self._loss_shifts_labels) != -100).sum()
-                for batch in batch_samples
-            )
-        except (TypeError, AttributeError):
-            return None  # labels that are no tensor: Trainer counts none either
-        count = torch.as_tensor(count, device=device)
-        group = self.mesh.dp_group
-        if group is not None:
-            dist.all_reduce(
-                count, group=group.get_group() if hasattr(group, "get_group") else group
-            )
-        return count
 
     def _clip_grad_norm(self, model: nn.Module) -> Tensor:
         self.accelerator.unscale_gradients()
@@ -344,103 +285,6 @@ class PipelineTrainer(Trainer):  # type: ignore[misc]
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
         return super().get_decay_parameter_names(self.model if model is self.pipe else model)  # type: ignore[no-any-return]
-
-    # --- evaluation ----------------------------------------------------------------------------
-
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> tuple[Tensor | None, Any, Any]:
-        """The batch's loss from the pipe's ``eval_step`` (the model's own, the same weighting
-        as training), and unless ``prediction_loss_only`` its outputs (logits) from the last
-        stage, given to every rank of the pipeline."""
-        inputs = self._prepare_inputs(inputs)
-        has_labels = bool(self.label_names) and all(
-            inputs.get(k) is not None for k in self.label_names
-        )
-        labels = (
-            nested_detach(tuple(inputs.get(name) for name in self.label_names))
-            if has_labels
-            else None
-        )
-        if isinstance(labels, tuple) and len(labels) == 1:
-            labels = labels[0]
-        if prediction_loss_only and not has_labels:
-            return None, None, None
-        if ignore_keys is None:
-            config = getattr(self.model, "config", None)
-            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", []) or [])
-        loss, outputs = self._evaluate_batch(
-            inputs, keep_outputs=not prediction_loss_only, has_labels=has_labels
-        )
-        if prediction_loss_only:
-            return loss, None, None
-        logits = tuple(value for key, value in outputs.items() if key not in [*ignore_keys, "loss"])
-        return loss, logits[0] if len(logits) == 1 else logits, labels
-
-    def _evaluate_batch(
-        self, inputs: dict[str, Any], keep_outputs: bool, has_labels: bool = True
-    ) -> tuple[Tensor | None, dict[str, Any]]:
-        """(the batch's loss or None, its outputs gathered over micro-batches when kept)."""
-        pipe = self._the_pipe()
-        inputs = self._prepare_inputs(inputs)
-        # A loss of outputs and labels divides by the batch's labels, which Trainer counts.
-        counted = self.compute_loss_func is not None or self.label_smoother is not None
-        num_items = self._get_num_items_in_batch([inputs], self.args.device) if counted else None
-        inputs, labels, own_loss, options = self._loss_of(inputs, num_items)
-        kept: list[Any] = []
-
-        def loss_fn(outputs: Any, target: Any) -> Tensor:
-            if keep_outputs:  # per-row outputs (logits, ...): not the micro-batch's loss
-                kept.append({k: v for k, v in outputs.items() if isinstance(v, Tensor) and v.dim()})
-            if not has_labels:
-                return torch.zeros((), device=_any_tensor(outputs).device)
-            return own_loss(outputs, target)
-
-        with torch.no_grad(), self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = pipe.eval_step(inputs, labels, loss_fn, **options)
-        outputs: dict[str, Any] = {}
-        if keep_outputs:
-            outputs = self._from_last_stage(
-                {k: torch.cat([o[k] for o in kept]) for k in kept[0]} if kept else None
-            )
-        return (loss.detach().to(self.args.device) if has_labels else None), outputs
-
-    def _from_last_stage(self, outputs: dict[str, Tensor] | None) -> dict[str, Any]:
-        """The last stage's outputs on every rank of the pipeline."""
-        layout = self._the_pipe().layout
-        if layout.pp_group is None:
-            assert outputs is not None
-            return outputs
-        box = [outputs]
-        source = layout.global_rank(layout.stages - 1)
-        dist.broadcast_object_list(box, src=source, group=layout.pp_group)
-        assert box[0] is not None
-        return {k: v.to(self.args.device) for k, v in box[0].items()}
-
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        # Trainer gathers every process's predictions; a pipeline's ranks hold the same
-        # ones: gather them over the replicas only (Trainer resets its gather afterwards).
-        self.gather_function = self._gather_over_replicas
-        return super().evaluation_loop(*args, **kwargs)
-
-    def _gather_over_replicas(self, tensor: Any) -> Any:
-        """Every replica's `tensor` concatenated (the batch's duplicated tail dropped at the
-        end of the data, as accelerate's gather_for_metrics does)."""
-        group = self.mesh.dp_group
-        gathered = tensor
-        if group is not None:
-            group = group.get_group() if hasattr(group, "get_group") else group
-            parts = [torch.empty_like(tensor) for _ in range(self.mesh.dp_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
-            gathered = torch.cat(parts)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            gathered = gathered[: state.remainder]
-        return gathered
 
     # --- saving and resuming --------------------------------------------------------------
 
@@ -535,43 +379,6 @@ def _init_fn(model: Any) -> Callable[[nn.Module], None] | None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     init = getattr(inner, "_init_weights", None)
     return init if callable(init) else None
-
-
-def _own_loss(outputs: Any, _target: Any) -> Tensor:
-    """The loss the model computed from its labels (its outputs' first entry)."""
-    loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
-    if loss is None:
-        raise ValueError(
-            "the model returned no loss: its inputs need labels (or pass compute_loss_func)"
-        )
-    return loss  # type: ignore[no-any-return]
-
-
-def _counted_labels(batch: Mapping[str, Any], shifts: bool) -> Tensor:
-    """The labels a loss counts, as Trainer takes them from a batch."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"]  # type: ignore[no-any-return]
-    labels = batch["labels"]
-    return labels[..., 1:] if shifts else labels  # type: ignore[no-any-return]
-
-
-def _count(labels: Tensor) -> Tensor:
-    return (labels != -100).sum()
-
-
-def _shifted_count(labels: Tensor) -> Tensor:
-    return (labels[..., 1:] != -100).sum()
-
-
-def _scaled(
-    loss_fn: Callable[[Any, Any], Tensor], scale: float, outputs: Any, target: Any
-) -> Tensor:
-    return loss_fn(outputs, target) * scale if scale != 1.0 else loss_fn(outputs, target)
-
-
-def _any_tensor(outputs: Any) -> Tensor:
-    values = outputs.values() if isinstance(outputs, Mapping) else outputs
-    return next(v for v in values if isinstance(v, Tensor))
 
 
 __all__ = ["PipelineTrainer"]

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.transports import wire
-from gpipe_fast.distributed.transports.medium import Posted
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.processes.medium import Posted
 from gpipe_fast.transport.protocol import Flow, Payload
 
 

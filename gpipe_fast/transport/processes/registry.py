@@ -12,16 +12,14 @@ from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import ShmLinks, routes
-from gpipe_fast.distributed.transports.across import ProcessTransport
-from gpipe_fast.distributed.transports.choice import TransportChoice
-from gpipe_fast.distributed.transports.group import GroupMedium
-from gpipe_fast.distributed.transports.medium import Medium, Opened, Opener
-from gpipe_fast.distributed.transports.rings import open_rings
 from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport.choice import IN_PROCESS, TransportChoice
 from gpipe_fast.transport.local import LocalTransport
+from gpipe_fast.transport.processes.across import ProcessTransport
+from gpipe_fast.transport.processes.group import GroupMedium
+from gpipe_fast.transport.processes.medium import Medium, Opened, Opener
+from gpipe_fast.transport.processes.rings import open_rings
 from gpipe_fast.transport.protocol import ACTIVATION, GRADIENT, Transport
-
-IN_PROCESS = TransportChoice("in process", "every cell of the pipe runs here")
 
 # The media tried before the process group's own send/recv (GroupMedium), which carries every
 # route they do not, in order of preference; the first one that opens sets the pipe's
@@ -126,5 +124,5 @@ def make_transport(
     if not layout.multi_process:
         return local
     assert guard is not None, "a transport across processes needs the pipe's guard"
-    device = devices[layout.local_stages[0]]
+    device = devices[layout.local_cells[0]]
     return ProcessTransport(local, layout, media.step_media(layout, guard, device), skips)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpipe_fast.runtime import picture
+from gpipe_fast.pictures import content
 
 _HEIGHT = 0.8  # of a row
 _HATCH = "////"
@@ -23,21 +23,21 @@ def _import_matplotlib() -> tuple[Any, Any]:
     return Figure, Patch
 
 
-def _patch_style(style: picture.Style | None) -> dict[str, Any]:
+def _patch_style(style: content.Style | None) -> dict[str, Any]:
     """Face, edge and hatch of a box or legend patch of `style` (None: the caller's band)."""
     if style is None:
-        return {"facecolor": "none", "edgecolor": picture.CALLER_HATCH, "hatch": "\\\\"}
+        return {"facecolor": "none", "edgecolor": content.CALLER_HATCH, "hatch": "\\\\"}
     if style.hatched:
-        return {"facecolor": picture.IDLE_FILL, "edgecolor": style.colour, "hatch": _HATCH}
+        return {"facecolor": content.IDLE_FILL, "edgecolor": style.colour, "hatch": _HATCH}
     return {"facecolor": style.colour, "edgecolor": "white"}
 
 
 def _legend_handles(
-    timeline: picture.PictureTimeline, patch: Any
+    timeline: content.PictureTimeline, patch: Any
 ) -> tuple[list[Any], list[str], int]:
     """A column per group, headed by its name: (handles, labels, columns). The columns are
     padded to one length, as the legend fills each column before the next."""
-    groups = picture.legend(timeline)
+    groups = content.legend(timeline)
     rows = 1 + max(len(entries) for entries in groups.values())
     handles: list[Any] = []
     labels: list[str] = []
@@ -50,12 +50,12 @@ def _legend_handles(
     return handles, labels, len(groups)
 
 
-def plot(timeline: picture.PictureTimeline, path: str | Path) -> None:
+def plot(timeline: content.PictureTimeline, path: str | Path) -> None:
     """Draws `timeline` as a PNG at `path` (see Timeline.plot)."""
     draw(timeline).savefig(path)
 
 
-def draw(timeline: picture.PictureTimeline) -> Any:
+def draw(timeline: content.PictureTimeline) -> Any:
     """The matplotlib Figure of `timeline`'s picture."""
     figure_class, patch = _import_matplotlib()
     end = max((s.end_s for s in timeline.spans), default=0.0)
@@ -70,9 +70,9 @@ def draw(timeline: picture.PictureTimeline) -> Any:
     for worker in range(rows):
         y = rows - 1 - worker  # worker 0 on top
         axes.broken_barh([(0, end * scale)], (y - _HEIGHT / 2, _HEIGHT),
-                         facecolors=picture.IDLE_FILL, zorder=0)  # fmt: skip
+                         facecolors=content.IDLE_FILL, zorder=0)  # fmt: skip
         for span in (s for s in timeline.spans if s.row == worker):
-            style = _patch_style(picture.style(span.kind))
+            style = _patch_style(content.style(span.kind))
             axes.broken_barh(
                 [(span.start_s * scale, span.duration_s * scale)], (y - _HEIGHT / 2, _HEIGHT),
                 facecolors=style["facecolor"], edgecolors=style["edgecolor"],
@@ -86,8 +86,8 @@ def draw(timeline: picture.PictureTimeline) -> Any:
     axes.set_yticklabels([timeline.row_name(rows - 1 - y) for y in range(rows)])
     axes.set_ylim(-0.6, rows - 0.4)
     axes.set_xlim(0, end * scale if end > 0 else 1)
-    axes.set_xlabel(picture.AXIS_LABEL)
-    axes.set_title(picture.title(timeline))
+    axes.set_xlabel(content.AXIS_LABEL)
+    axes.set_title(content.title(timeline))
     legend = figure.legend(handles, labels, loc="outside lower left", ncols=columns,
                            frameon=False, fontsize=8, columnspacing=3.0)  # fmt: skip
     for text in legend.get_texts()[::legend_rows]:
@@ -97,9 +97,9 @@ def draw(timeline: picture.PictureTimeline) -> Any:
 
 
 def _label_boxes(
-    timeline: picture.PictureTimeline, figure: Any, axes: Any, end: float, scale: float
+    timeline: content.PictureTimeline, figure: Any, axes: Any, end: float, scale: float
 ) -> None:
-    """Writes each box's label where it fits (see picture.fit_label), once the layout has
+    """Writes each box's label where it fits (see content.fit_label), once the layout has
     fixed the axes' size in points."""
     figure.draw_without_rendering()
     box = axes.get_window_extent()
@@ -108,14 +108,14 @@ def _label_boxes(
     row_height = _HEIGHT * box.height * points / (timeline.rows + 0.2)
     fontsize = 7.0 if timeline.microbatches < 10 else 6.0
     for span in timeline.spans:
-        placed = picture.fit_label(
-            picture.label(span), span.duration_s * per_second, row_height, fontsize
+        placed = content.fit_label(
+            content.label(span), span.duration_s * per_second, row_height, fontsize
         )
         if placed is None:
             continue
         text = axes.text((span.start_s + span.duration_s / 2) * scale,
                          timeline.rows - 1 - span.row, placed.text, ha="center", va="center",
                          rotation=90 if placed.vertical else 0, family="monospace",
-                         color=picture.style(span.kind).text_colour, fontsize=fontsize,
+                         color=content.style(span.kind).text_colour, fontsize=fontsize,
                          zorder=3, clip_on=True)  # fmt: skip
         text.set_in_layout(False)

@@ -12,8 +12,8 @@ from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import ShmLinks
-from gpipe_fast.distributed.transports.choice import TransportChoice
 from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport.choice import TransportChoice
 from gpipe_fast.transport.protocol import Flow, Payload
 
 # What a medium's receive posted ahead of its wait (its own kind of request), or None.

@@ -8,7 +8,7 @@ import math
 from html import escape
 from pathlib import Path
 
-from gpipe_fast.runtime import picture
+from gpipe_fast.pictures import content
 
 _WIDTH = 1400  # px
 _FONT = 12  # px: row names, axis, legend
@@ -27,7 +27,7 @@ def _ticks(end_ms: float) -> list[float]:
     return [i * step for i in range(int(end_ms / step + 1e-9) + 1)]
 
 
-def _fill(style: picture.Style | None) -> str:
+def _fill(style: content.Style | None) -> str:
     if style is None:
         return 'fill="url(#caller)" stroke="none"'
     if style.hatched:
@@ -43,8 +43,8 @@ def _defs() -> list[str]:
     )
     return [
         "<defs>",
-        hatch.format(id="wait", angle=45, back=picture.IDLE_FILL, colour="#8c8c8c"),
-        hatch.format(id="caller", angle=-45, back="none", colour=picture.CALLER_HATCH),
+        hatch.format(id="wait", angle=45, back=content.IDLE_FILL, colour="#8c8c8c"),
+        hatch.format(id="caller", angle=-45, back="none", colour=content.CALLER_HATCH),
         "</defs>",
         "<style>.span:hover rect { stroke: #000000; stroke-width: 1.5; }</style>",
     ]
@@ -58,9 +58,9 @@ def _text(x: float, y: float, text: str, size: int, **attributes: str) -> str:
     )
 
 
-def _legend(timeline: picture.PictureTimeline, top: float, left: float) -> tuple[list[str], float]:
+def _legend(timeline: content.PictureTimeline, top: float, left: float) -> tuple[list[str], float]:
     """A column per group, headed by its name; returns the elements and their height."""
-    groups = picture.legend(timeline)
+    groups = content.legend(timeline)
     out, column_x, line = [], left, _FONT + 6
     for group, entries in groups.items():
         out.append(_text(column_x, top + _FONT, group, _FONT, font_weight="bold"))
@@ -70,22 +70,22 @@ def _legend(timeline: picture.PictureTimeline, top: float, left: float) -> tuple
                        f"{_fill(entry.style)}/>")  # fmt: skip
             out.append(_text(column_x + 24, y + _FONT, entry.text, _FONT))
         longest = max(len(e.text) for e in entries)
-        column_x += 24 + max(longest, len(group)) * picture.MONOSPACE_EM * _FONT + 36
+        column_x += 24 + max(longest, len(group)) * content.MONOSPACE_EM * _FONT + 36
     return out, (1 + max(len(entries) for entries in groups.values())) * line
 
 
 def _span(
-    timeline: picture.PictureTimeline, index: int, x: float, y: float, width: float
+    timeline: content.PictureTimeline, index: int, x: float, y: float, width: float
 ) -> list[str]:
     span = timeline.spans[index]
-    style = picture.style(span.kind)
+    style = content.style(span.kind)
     out = [
         '<g class="span">',
-        f"<title>{escape(picture.hover(timeline, span))}</title>",
+        f"<title>{escape(content.hover(timeline, span))}</title>",
         f'<rect x="{x:.2f}" y="{y:.1f}" width="{max(width, 0.5):.2f}" height="{_BOX}" '
         f"{_fill(style)}/>",
     ]
-    placed = picture.fit_label(picture.label(span), width, _BOX, _LABEL_FONT)
+    placed = content.fit_label(content.label(span), width, _BOX, _LABEL_FONT)
     if placed is not None:
         centre_x, centre_y = x + width / 2, y + _BOX / 2
         rotate = f"rotate(-90 {centre_x:.1f} {centre_y:.1f})" if placed.vertical else ""
@@ -96,31 +96,31 @@ def _span(
     return out
 
 
-def to_svg(timeline: picture.PictureTimeline, path: str | Path) -> None:
+def to_svg(timeline: content.PictureTimeline, path: str | Path) -> None:
     """Writes `timeline` as an SVG picture at `path` (see Timeline.to_svg)."""
     rows = timeline.rows
     names = [timeline.row_name(worker) for worker in range(rows)]
-    left = 16 + max(map(len, names)) * picture.MONOSPACE_EM * _FONT
+    left = 16 + max(map(len, names)) * content.MONOSPACE_EM * _FONT
     right = _WIDTH - 20
     end = max((s.end_s for s in timeline.spans), default=0.0)
     per_second = (right - left) / end if end > 0 else 0.0
     bottom = _TOP + rows * _ROW
     out = _defs()
-    out.append(_text(_WIDTH / 2, 24, picture.title(timeline), 14, text_anchor="middle",
+    out.append(_text(_WIDTH / 2, 24, content.title(timeline), 14, text_anchor="middle",
                      font_weight="bold"))  # fmt: skip
     for tick in _ticks(end * 1e3):
         x = left + tick / 1e3 * per_second
         out.append(f'<line x1="{x:.1f}" y1="{_TOP - 4}" x2="{x:.1f}" y2="{bottom + 4}" '
                    'stroke="#dddddd"/>')  # fmt: skip
         out.append(_text(x, bottom + 20, f"{tick:g}", _FONT, text_anchor="middle"))
-    out.append(_text((left + right) / 2, bottom + 40, picture.AXIS_LABEL, _FONT,
+    out.append(_text((left + right) / 2, bottom + 40, content.AXIS_LABEL, _FONT,
                      text_anchor="middle"))  # fmt: skip
     for worker, name in enumerate(names):
         y = _TOP + worker * _ROW + (_ROW - _BOX) / 2
         out.append(_text(left - 8, y + _BOX / 2, name, _FONT, text_anchor="end",
                          dominant_baseline="central"))  # fmt: skip
         out.append(f'<rect x="{left:.1f}" y="{y:.1f}" width="{right - left:.1f}" '
-                   f'height="{_BOX}" fill="{picture.IDLE_FILL}"/>')  # fmt: skip
+                   f'height="{_BOX}" fill="{content.IDLE_FILL}"/>')  # fmt: skip
     if timeline.gap_s > 0:
         gap_x = left + timeline.phase_window("forward")[1] * per_second
         out.append(f'<rect x="{gap_x:.1f}" y="{_TOP}" width="{timeline.gap_s * per_second:.1f}" '

@@ -8,9 +8,9 @@ from typing import Any
 from torch import Tensor
 
 from gpipe_fast.distributed.layout import ProcessLayout
-from gpipe_fast.distributed.transports.medium import Medium
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.local import LocalTransport
+from gpipe_fast.transport.processes.medium import Medium
 from gpipe_fast.transport.protocol import ACTIVATION, Flow, Payload
 
 

@@ -1,4 +1,4 @@
-"""What a timeline picture shows, whoever draws it (Timeline.plot's PNG, Timeline.to_svg).
+"""What a timeline picture shows, whoever draws it (PNG, SVG or Chrome trace).
 
 Each box's style, label and hover text, the legend's groups and the title."""
 
@@ -15,7 +15,7 @@ GROUPS: tuple[Group, ...] = ("compute", "communication", "idle")
 
 
 class PictureSpan(Protocol):
-    """What a picture reads of a span (a timeline's TaskSpan): the pictures sit above the
+    """What a picture reads of a span (a timeline's TaskSpan): the pictures sit below the
     timeline, which draws itself through them, so they name no class of it."""
 
     @property
@@ -34,6 +34,8 @@ class PictureSpan(Protocol):
     def end_s(self) -> float: ...
     @property
     def duration_s(self) -> float: ...
+    @property
+    def task(self) -> int: ...
 
 
 class PictureTimeline(Protocol):
@@ -55,6 +57,8 @@ class PictureTimeline(Protocol):
     def ideal_bubble(self) -> float: ...
     @property
     def whole_backward(self) -> tuple[int, ...]: ...
+    @property
+    def clocks(self) -> Sequence[str]: ...
     def phase_window(self, phase: Literal["forward"]) -> tuple[float, float]: ...
     def row_name(self, worker: int) -> str: ...
     def compute_rows(self) -> list[int]: ...

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from gpipe_fast.distributed.transports.packed import Packed, pack, unpack
+from gpipe_fast.transport.packed import Packed, pack, unpack
 from gpipe_fast.transport.protocol import Payload
 
 # A fixed-size int64 header per message, so the receiver can post it before knowing

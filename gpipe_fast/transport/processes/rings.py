@@ -8,10 +8,10 @@ from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.host_peers import HostPeers
 from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.shm_links import ShmLinks, connect
-from gpipe_fast.distributed.transports import wire
-from gpipe_fast.distributed.transports.choice import TransportChoice
-from gpipe_fast.distributed.transports.medium import Opened, Posted
 from gpipe_fast.skip.layout import SkipLayout
+from gpipe_fast.transport import wire
+from gpipe_fast.transport.choice import TransportChoice
+from gpipe_fast.transport.processes.medium import Opened, Posted
 from gpipe_fast.transport.protocol import Flow, Payload
 
 
