@@ -294,3 +294,30 @@ class _Chain(nn.Module):
 @pytest.mark.parametrize("points", [["blocks.2"], ["blocks.1", "blocks.2"]])
 def test_a_value_passed_on_from_module_to_module_is_the_one_first_made(points: list[str]) -> None:
     _check_exact(_Chain, points)
+
+
+class _Twice(nn.Module):
+    """Returns one tensor at two places of its output (T5Gemma's last hidden state is also
+    its decoder_hidden_states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        h = torch.tanh(self.lin(x))
+        return {"first": h, "again": h}
+
+
+class _ReadsOne(nn.Module):
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key, self.inner, self.head = key, _Twice(), nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.inner(x)[self.key] * 2)
+
+
+@pytest.mark.parametrize("key", ["first", "again"])
+def test_a_tensor_an_atom_returns_at_two_places_is_one_value(key: str) -> None:
+    _check_exact(lambda: _ReadsOne(key), ["head"])

@@ -32,7 +32,8 @@ def test_a_few_architectures_are_exact_at_every_split(family: str, model_type: s
 # hand, MoE as transformers builds it among them. The whole mapping (hundreds, an hour on two
 # cores) is `python bench/hf_sweep.py --check`, too long for CI's 20 minutes.
 MORE = [("causal", m) for m in ("mistral", "phi3", "gpt_neox", "qwen3", "gpt2", "falcon",
-                                "mixtral", "qwen2_moe", "olmoe")] + [("seq2seq", "t5")]  # fmt: skip
+                                "mixtral", "qwen2_moe", "olmoe")] + [
+    ("seq2seq", "t5"), ("seq2seq", "t5gemma")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "model_type"), MORE, ids=[m for _, m in MORE])

@@ -94,22 +94,30 @@ class Placeholders:
             # where the module runs for real.
             passed = {id(t): i for i, t in enumerate(copies if stand_in is None else fakes)
                       if isinstance(t, Tensor)}  # fmt: skip
+            # A tensor at several places of the output is one tensor there too ("same").
+            first: dict[int, int] = {}
+            for j, leaf in enumerate(out_leaves):
+                if isinstance(leaf, Tensor):
+                    first.setdefault(id(leaf), j)
             described = [
                 ("input", passed[id(leaf)]) if id(leaf) in passed
+                else ("same", first[id(leaf)]) if isinstance(leaf, Tensor) and first[id(leaf)] < j
                 else describe(leaf) if isinstance(leaf, Tensor) else leaf
-                for leaf in out_leaves
+                for j, leaf in enumerate(out_leaves)
             ]  # fmt: skip
             if stand_in is not None:  # what the glue would get from that stage: on this one's
                 described = [(d[0], d[1], stand_in) if _is_tensor_description(d) else d
                              for d in described]  # fmt: skip
             found = self._outputs[key] = (described, out_spec)
         described, out_spec = found
+        made: list[Any] = []
         with self.mode:
-            made = [
-                torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d)
-                else leaves[d[1]] if _is_passed(d) else d
-                for d in described
-            ]  # fmt: skip
+            for d in described:
+                made.append(
+                    torch.empty(d[0], dtype=d[1], device=d[2]) if _is_tensor_description(d)
+                    else leaves[d[1]] if _is_passed(d)
+                    else made[d[1]] if _is_same(d) else d
+                )  # fmt: skip
         return pytree.tree_unflatten(made, out_spec)
 
 
@@ -127,6 +135,10 @@ def _all_fake(module: nn.Module, mode: FakeTensorMode) -> None:
 
 def _is_passed(described: Any) -> bool:
     return isinstance(described, tuple) and len(described) == 2 and described[0] == "input"
+
+
+def _is_same(described: Any) -> bool:
+    return isinstance(described, tuple) and len(described) == 2 and described[0] == "same"
 
 
 def _is_tensor_description(described: Any) -> bool:

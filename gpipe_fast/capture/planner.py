@@ -129,11 +129,15 @@ class Planner(KeyedRun):
         finally:
             self.inside_call = None
         given = {id(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        seen: set[int] = set()
         for j, leaf in enumerate(pytree.tree_leaves(output)):
             # A value it got and passes on (T5's position bias, block to block) stays what
-            # it was; only what the call made is its output.
+            # it was; only what the call made is its output. A tensor at several places of
+            # the output (T5Gemma's last hidden state, also its decoder_hidden_states) is
+            # keyed by its first.
             passed = id(leaf) in given or self.keys.made_by(leaf, self._call_start)
-            if isinstance(leaf, Tensor) and not passed:
+            if isinstance(leaf, Tensor) and not passed and id(leaf) not in seen:
+                seen.add(id(leaf))
                 what = f"output {j} of {fqn!r} (call {i})"
                 value = Value(0, "out", what, frozenset({stage}), dtype=leaf.dtype, call=i, leaf=j)
                 self.keyed(leaf, ("out", i, j), value)

@@ -147,13 +147,20 @@ class StageRun(KeyedRun):
         stays what it was (as in the plan)."""
         leaves, spec = pytree.tree_flatten(out)
         changed = False
+        first: dict[int, Tensor] = {}  # a tensor at several places: keyed by its first, as planned
         for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor) and id(leaf) in first:
+                new = first[id(leaf)]
+                if new is not leaf:
+                    leaves[j], changed = new, True
+                continue
             passed = id(leaf) in given or (self.glue and self.keys.made_by(leaf, start))
             if isinstance(leaf, Tensor) and not passed:
                 key = self.keys.intern(("out", i, j))
                 if self.glue:
                     self.keys.set(leaf, key)
                 new = self._sites(key, leaf)
+                first[id(leaf)] = new
                 if new is not leaf:
                     leaves[j], changed = new, True
         return pytree.tree_unflatten(leaves, spec) if changed else out
