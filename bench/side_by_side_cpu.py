@@ -66,8 +66,15 @@ def _sum_of_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def pipeline_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
     """One training step of gpipe_fast (pipe(x) + backward; train_step under 1f1b and
     zero_bubble) and (if installed) torchgpipe on the workload."""
+    # One thread per cell, given: the script set torch.set_num_threads(1) for the sequential
+    # baseline, and a pipe keeps a user's own thread setting (threads_per_cell None).
     ours = gf.GPipe(
-        build_model(), [4, 4], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint="never"
+        build_model(),
+        [4, 4],
+        devices=["cpu", "cpu"],
+        chunks=CHUNKS,
+        checkpoint="never",
+        threads_per_cell=1,
     )
     assert ours.threads_per_cell == 1, ours.threads_per_cell
 
@@ -80,7 +87,7 @@ def pipeline_contenders(x: torch.Tensor) -> dict[str, Callable[[], None]]:
     for schedule in ("1f1b", "zero_bubble"):
         pipe = gf.GPipe(
             build_model(), [4, 4], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint="never",
-            schedule=schedule,
+            schedule=schedule, threads_per_cell=1,
         )  # fmt: skip
 
         def train_step(pipe: gf.GPipe = pipe) -> None:
