@@ -176,6 +176,11 @@ def worker(args: argparse.Namespace) -> None:
     own.pipe.close()
     if dist.get_rank() == 0:
         print("RESULTS " + json.dumps(results), flush=True)
+    # Every rank past its last collective before the groups are torn down (piped.end()): a
+    # rank that ended first left the other's DDP reducer, freed at exit, joining a gloo run
+    # loop that waited for it (a hang seen once in CI).
+    del plain
+    dist.barrier()
     piped.end()
 
 
