@@ -31,7 +31,6 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -41,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +51,7 @@ from reporting import (
     markdown_table,
     median,
     paired_ratio,
+    spawned_ranks,
     verdict,
 )
 
@@ -542,23 +541,7 @@ def worker(rank: int, world: int, folder: str, task: dict[str, Any]) -> None:
 
 def run_world(world: int, task: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     """`task` on `world` spawned processes; their outputs by rank."""
-    with tempfile.TemporaryDirectory(prefix="any_model_") as folder:
-        context = mp.get_context("spawn")
-        processes = [context.Process(target=worker, args=(rank, world, folder, task),
-                                     daemon=True) for rank in range(world)]  # fmt: skip
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-        codes = [process.exitcode for process in processes]
-        if any(code != 0 for code in codes):
-            raise RuntimeError(f"{world} workers exited with {codes} (timeout {timeout_s} s)")
-        return [torch.load(Path(folder) / f"rank{rank}.pt") for rank in range(world)]
+    return spawned_ranks(worker, world, (task,), timeout_s, "any_model_")
 
 
 # -- reports ------------------------------------------------------------------------------------

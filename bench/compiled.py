@@ -27,7 +27,6 @@ import argparse
 import copy
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -37,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +48,7 @@ from reporting import (
     median,
     paired_ratio,
     ratio,
+    spawned_ranks,
     watchdog,
 )
 
@@ -339,24 +338,7 @@ def worker(rank: int, world: int, folder: str, size: dict[str, Any], backend: st
 
 def two_processes(size: Size, backend: str, timeout_s: float) -> dict[str, dict[str, Any]]:
     """The pipes on 2 spawned processes; per contender, each round the slower rank's time."""
-    with tempfile.TemporaryDirectory(prefix="compiled_") as folder:
-        context = mp.get_context("spawn")
-        processes = [context.Process(target=worker, daemon=True,
-                                     args=(rank, 2, folder, asdict(size), backend))
-                     for rank in range(2)]  # fmt: skip
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(1.0, deadline - time.monotonic()))
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-        codes = [process.exitcode for process in processes]
-        if any(code != 0 for code in codes):
-            raise RuntimeError(f"the 2 workers exited with {codes} (timeout {timeout_s} s)")
-        ranks = [torch.load(Path(folder) / f"rank{rank}.pt") for rank in range(2)]
+    ranks = spawned_ranks(worker, 2, (asdict(size), backend), timeout_s, "compiled_")
     merged = ranks[0]
     for name, entry in merged.items():
         other = ranks[1][name]

@@ -1,5 +1,6 @@
 """What the benchmarks report: medians and ratios, markdown tables, JSON records rewritten
-after each section, the environment they ran in, and a watchdog for hangs."""
+after each section, the environment they ran in, a watchdog for hangs, and the outputs of
+workers spawned one per rank."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import faulthandler
 import inspect
 import json
 import math
+import multiprocessing as mp
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -264,3 +268,27 @@ def watchdog(seconds: float) -> Iterator[None]:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def spawned_ranks(worker: Callable[..., None], world: int, extra: tuple[Any, ...],
+                  timeout_s: float, prefix: str) -> list[Any]:  # fmt: skip
+    """`worker(rank, world, folder, *extra)` on `world` spawned processes, each saving its
+    output to `folder`/rank<r>.pt; their outputs by rank. A rank still running after
+    `timeout_s` is killed, and any exit code but 0 is a RuntimeError."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        context = mp.get_context("spawn")
+        processes = [context.Process(target=worker, args=(rank, world, folder, *extra),
+                                     daemon=True) for rank in range(world)]  # fmt: skip
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(1.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        codes = [process.exitcode for process in processes]
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"the {world} workers exited with {codes} (timeout {timeout_s} s)")
+        return [torch.load(Path(folder) / f"rank{rank}.pt") for rank in range(world)]
