@@ -249,6 +249,27 @@ def test_the_reporting_rank_lingers_until_its_peers_have_read() -> None:
     assert int(store.add("pipe/failure-seen", 0)) == 2
 
 
+def test_a_rank_that_read_the_failure_holds_at_exit_until_the_reporting_rank_is_done() -> None:
+    # The store may live in the reader's process: were it to end while the reporting rank
+    # still looks in the store, that rank would print torch's C++ trace of a lost connection.
+    store = _store()
+    failing = Guard(store, "pipe", 1, 1, peers=2)
+    reader = Guard(store, "pipe", 0, 1, peers=2, hosts_store=True)
+    client, bystander = Guard(store, "pipe", 2, 1), Guard(store, "other", 0, 1, hosts_store=True)
+    failing.report("KeyError: 'planted'")
+    for guard in (reader, client):
+        assert guard.failure() == "rank 1: KeyError: 'planted'"
+    start = time.monotonic()
+    assert not reader.hold(0.3)  # the reporting rank has not lingered yet: the bound
+    assert time.monotonic() - start >= 0.3
+    assert bystander.hold(30)  # it read no failure: at once
+    assert client.hold(30)  # it does not host the store: at once
+    assert failing.linger(30)  # its reader has read it
+    start = time.monotonic()
+    assert reader.hold(30)
+    assert time.monotonic() - start < 5  # released: at once
+
+
 def test_a_rank_that_did_not_start_the_failure_does_not_linger() -> None:
     store = _store()
     Guard(store, "pipe", 1, 1).report("ValueError: first")

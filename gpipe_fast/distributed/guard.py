@@ -87,8 +87,10 @@ class Guard:
     The first failure reported by any rank is the one every rank reads: a rank that fails
     because another did (its wait ended) cannot hide where the failure started. The rank
     that reported it stays at exit until the `peers` other ranks have read it, for at most
-    LINGER_S: the store may live in its process. A rank that stopped answering is not waited
-    for: the guard knows every rank's process (`processes`), so that a rank of this host that
+    LINGER_S: the store may live in its process. The rank whose process hosts the store
+    (`hosts_store`), when it read the failure, stays at exit in turn until the reporting rank
+    is done with the store (`hold`), for at most LINGER_S too: an operation on a store that
+    is gone prints torch's C++ trace of a lost connection. A rank that stopped answering is not waited for: the guard knows every rank's process (`processes`), so that a rank of this host that
     died is named, wherever the news of it comes from (a broken channel, the store gone).
 
     A wait that times out names the rank that did not answer, not the one that waited: a
@@ -104,10 +106,13 @@ class Guard:
         timeout_s: float,
         peers: int = 0,
         processes: Processes | None = None,
+        hosts_store: bool = False,
     ) -> None:
         self.store = store
+        self.hosts_store = hosts_store
         self.key = f"{prefix}/failure"
         self.seen_key = f"{prefix}/failure-seen"
+        self.released_key = f"{prefix}/failure-released"  # the reporting rank is done
         self.waiting_prefix = f"{prefix}/waiting"  # /<rank>: whom that rank waits for
         self.rank = rank
         self.timeout_s = timeout_s
@@ -210,11 +215,40 @@ class Guard:
             try:
                 self._ended()
                 if int(self.store.add(self.seen_key, 0)) >= self.peers - len(self.gone):
+                    self._release()
                     return True
             except Exception:  # the store is gone: nobody can read it any more
                 return True
             time.sleep(CHECK_EVERY_S)
+        if self.origin:
+            self._release()  # the ranks that did read it need not wait any longer
         return not self.origin
+
+    def _release(self) -> None:
+        """Says that this rank, the failure's origin, will not use the store again."""
+        try:
+            self.store.set(self.released_key, "1")
+        except Exception:  # the store is gone: nobody waits for this any more
+            pass
+
+    def hold(self, bound_s: float | None = None) -> bool:
+        """Returns once the rank whose failure this one read is done with the store (True),
+        or after `bound_s` (LINGER_S by default: False); at once on a rank that does not host
+        the store or read no other rank's failure, or when the store is gone. Ended before
+        the reporting rank's last look in the store, this process would take the store with
+        it, and that rank would print torch's C++ trace of a lost connection."""
+        holds = self.seen and self.hosts_store
+        deadline = time.monotonic() + (LINGER_S if bound_s is None else bound_s)
+        while holds and time.monotonic() < deadline:
+            if self.processes is not None and len(self._ended()) >= self.peers:
+                return True  # every other rank's process ended: none will use the store
+            try:
+                if self.store.check([self.released_key]):
+                    return True
+            except Exception:  # the store is gone already
+                return True
+            time.sleep(CHECK_EVERY_S)
+        return not holds
 
     def close(self) -> None:
         """Ends the helper threads of the waits (the pipe is closed: no step waits again).
@@ -400,5 +434,8 @@ _lingering: weakref.WeakSet[Guard] = weakref.WeakSet()
 
 @atexit.register
 def _linger_at_exit() -> None:
-    for guard in list(_lingering):
+    guards = list(_lingering)
+    for guard in guards:  # the origin first: a rank may be one pipe's origin, another's reader
         guard.linger()
+    for guard in guards:
+        guard.hold()

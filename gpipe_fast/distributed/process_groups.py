@@ -50,7 +50,15 @@ def pipe_guard(timeout_s: float, hosts: HostPeers | None = None) -> Guard:
         timeout_s,
         peers=dist.get_world_size() - 1,
         processes=hosts.liveness() if hosts is not None else None,
+        hosts_store=_hosts_store(),
     )
+
+
+def _hosts_store() -> bool:
+    """Whether this process hosts the default store's server: rank 0's does, as
+    init_process_group's env:// and tcp:// start it, unless torchrun's agent hosts it."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return dist.get_rank() == 0 and not agent
 
 
 class ProcessGroups:
