@@ -90,8 +90,10 @@ class Guard:
     LINGER_S: the store may live in its process. The rank whose process hosts the store
     (`hosts_store`), when it read the failure, stays at exit in turn until the reporting rank
     is done with the store (`hold`), for at most LINGER_S too: an operation on a store that
-    is gone prints torch's C++ trace of a lost connection. A rank that stopped answering is not waited for: the guard knows every rank's process (`processes`), so that a rank of this host that
-    died is named, wherever the news of it comes from (a broken channel, the store gone).
+    is gone prints torch's C++ trace of a lost connection. A rank that stopped answering is
+    not waited for: the guard knows every rank's process (`processes`), so that a rank of
+    this host that died is named, wherever the news of it comes from (a broken channel, the
+    store gone).
 
     A wait that times out names the rank that did not answer, not the one that waited: a
     rank whose wait has lasted half the timeout says in the store whom it waits for, so that
