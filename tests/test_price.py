@@ -66,3 +66,7 @@ def test_a_calibrated_prediction_scales_the_profile(pipe: Any) -> None:
     assert pricing.calibrated(config, Fit(1.0, 0.0, 0.5)) == pytest.approx(base + 0.5)
     # 2 cells x 2 micro-batches x (forward + backward): a hand-off on each task's path
     assert pricing.calibrated(config, Fit(1.0, 1.0, 0.0)) > base + 4
+    # A kind's correction multiplies the whole step, and only that kind's.
+    fit = Fit(1.0, 1.0, 0.5, by_kind={"gpipe": 0.8, "1f1b": 3.0})
+    plain = pricing.calibrated(config, Fit(1.0, 1.0, 0.5))
+    assert pricing.calibrated(config, fit) == pytest.approx(0.8 * plain)

@@ -30,6 +30,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tune, "MOST_MEASURED", 3)
     monkeypatch.setattr(tune, "FIRST_MEASURED", 2)
     monkeypatch.setattr(measure, "TIMED_STEPS", 2)
+    monkeypatch.setattr(measure, "MIN_TIMED_S", 0.0)
     monkeypatch.setattr(price, "PROFILE_WARMUP", 0)
     monkeypatch.setattr(price, "PROFILE_REPEATS", 1)
 
@@ -407,10 +408,61 @@ def test_gf_plan_takes_the_tunings_calibration(pipes: list[Any]) -> None:
     plan = gf.plan(net(), x, 2, 2, schedule="1f1b", checkpoint="never", devices=2,
                    calibrate=tuning)  # fmt: skip
     assert plan.calibrated and tuning.fit is not None
-    assert (plan.overhead, plan.call_overhead) == (tuning.fit.handoff, tuning.fit.call)
+    fit = tuning.fit.of_kind("1f1b")  # the kind's correction, where the tuning ran it
+    assert (plan.overhead, plan.call_overhead) == (fit.handoff, fit.call)
     profiled = gf.plan(net(), x, 2, 2, balance=plan.balance, schedule="1f1b",
                        checkpoint="never", devices=2)  # fmt: skip
     assert not profiled.calibrated and profiled.step_time != plan.step_time
     with pytest.raises(ValueError, match="calibrate: calibrating measures time"):
         gf.plan(net(), x, 2, 2, cost="params", schedule="1f1b", checkpoint="never",
                 calibrate=tuning)  # fmt: skip
+
+
+def test_the_defaults_are_measured_among_the_candidates(pipes: list[Any],
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:  # fmt: skip
+    # So that "auto" is never slower than leaving it out, as far as its measurements tell.
+    monkeypatch.setattr(tune, "MOST_MEASURED", 4)
+    x, y = batch()
+    pipe = auto_pipe(net(), pipes)
+    built = auto.Cut("gpipe", tuple(pipe.balance))
+    tuning = pipe.tune(x, y, loss_fn, progress=False)
+    defaults = auto.Config(built, 1, "except_last")  # GPipe's chunks and checkpoint
+    assert defaults in [c.config for c in tuning.measured]
+    assert tuning.chosen.measured_s <= next(  # type: ignore[operator]
+        c.measured_s for c in tuning.measured if c.config == defaults
+    )
+
+
+def test_small_steps_are_timed_for_about_min_timed_s(pipes: list[Any],
+                                                      monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:  # fmt: skip
+    monkeypatch.setattr(measure, "MIN_TIMED_S", 0.2)
+    found: list[Any] = []
+    original = tune.measure
+
+    def recorded(*args: Any) -> Any:
+        found.append(original(*args))
+        return found[-1]
+
+    monkeypatch.setattr(tune, "measure", recorded)
+    x, y = batch()
+    auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
+    assert found
+    for measurement in found:  # a step of a few milliseconds: more than the recorded ones
+        assert measure.TIMED_STEPS < measurement.steps <= measure.MOST_TIMED_STEPS
+        enough = measurement.steps * measurement.seconds >= 0.2 * 0.5
+        assert enough or measurement.steps == measure.MOST_TIMED_STEPS
+
+
+def test_the_calibration_corrects_each_schedule_kind_it_measured(pipes: list[Any]) -> None:
+    x, y = batch()
+    tuning = auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
+    assert tuning.fit is not None
+    kinds: dict[str, list[Any]] = {}
+    for candidate in tuning.measured:
+        kinds.setdefault(candidate.config.cut.schedule, []).append(candidate)
+    assert set(tuning.fit.by_kind) == set(kinds)
+    for ran in kinds.values():
+        if len(ran) == 1:  # a kind measured once: its calibrated step is the one measured
+            assert ran[0].calibrated_s == pytest.approx(ran[0].measured_s, rel=1e-6)

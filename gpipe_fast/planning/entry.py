@@ -86,8 +86,9 @@ def plan(
     timed. It predicts another `schedule` from the step as it ran on this machine. Or
     `calibrate=pipe.tuning` (a pipe's :class:`~gpipe_fast.Tuning`): the layers are timed as
     without it, then scaled, and the hand-off per task and the call's own seconds taken, as
-    the steps the tuning measured fitted them (``tuning.fit``), for any balance, chunks,
-    checkpoint and schedule.
+    the steps the tuning measured fitted them (``tuning.fit``, with its correction of the
+    schedule kind where the tuning ran that kind), for any balance, chunks, checkpoint and
+    schedule.
     """
     module = check_module(module)
     cells = check_count(partitions, "partitions", len(module))
@@ -108,7 +109,9 @@ def plan(
             raise ValueError("calibrate: this tuning measured nothing gf.plan could price")
         if planner.cost != "time":
             raise ValueError(f"calibrate: calibrating measures time, got cost={cost!r}")
-        return fitted_plan(planner, balance, choice.only(), fit.scale, fit.handoff, fit.call)
+        candidate = choice.only()
+        fit = fit.of_kind(candidate.schedule)
+        return fitted_plan(planner, balance, candidate, fit.scale, fit.handoff, fit.call)
     if calibrate is not None:
         return calibrated_plan(planner, balance, choice, calibrate)
     if memory_per_device is None:

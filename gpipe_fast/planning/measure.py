@@ -1,10 +1,12 @@
-"""One candidate measured on the real job: a few steps on every rank at once, each recorded.
+"""One candidate measured on the real job: a few steps on every rank at once, the first recorded.
 
 The step time is the slowest rank's median; the recorded steps give every cell's median task
-costs (gathered from the ranks that run them), gf.plan's calibration."""
+costs (gathered from the ranks that run them), gf.plan's calibration. Small steps run more
+often, so that a candidate is timed for about MIN_TIMED_S whatever its step."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -20,9 +22,16 @@ from gpipe_fast.planning.calibrate import cell_costs, solve_handoff
 from gpipe_fast.planning.predict import StageCosts
 
 # Steps run before the timed ones (the first builds schedules and warms caches), and timed
-# (each recorded: its tasks' spans calibrate gf.plan).
+# and recorded (their tasks' spans calibrate gf.plan).
 WARMUP_STEPS = 1
 TIMED_STEPS = 5
+# Then more timed steps (not recorded) until the timed ones last about MIN_TIMED_S, at most
+# MOST_TIMED_STEPS in all: a step of a few milliseconds varies by more than the 5% that tells
+# candidates apart, and its median over five steps with it.
+MIN_TIMED_S = 0.3
+MOST_TIMED_STEPS = 40
+# Steps a side-by-side turn runs one after another (all but the first timed).
+BLOCK = 2
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,7 @@ class Measurement:
     seconds: float
     costs: list[StageCosts]
     makespan: float
+    steps: int = TIMED_STEPS  # timed steps
 
     def handoff(self, config: Config, workers: int, *, with_loss: bool = True) -> float:
         """The runtime's seconds per task that make the recorded steps as long as they were
@@ -55,24 +65,33 @@ class Measurement:
 def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Agreement,
             ) -> Measurement:  # fmt: skip
     """Runs `step(pipe)` with `config`'s micro-batches and checkpointing: WARMUP_STEPS
-    steps, then TIMED_STEPS timed and recorded. Every rank calls it at once. Gradients are
-    set to None before each step (as ``optimizer.zero_grad()`` leaves them)."""
-    warmup, steps = WARMUP_STEPS, TIMED_STEPS
+    steps, then TIMED_STEPS timed and recorded, then more timed until they last about
+    MIN_TIMED_S (the count agreed by every rank, which calls it at once). Gradients are set to
+    None before each step (as ``optimizer.zero_grad()`` leaves them)."""
     pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
     params = list(pipe.parameters())
     times, timelines = [], []
+
+    def timed() -> float:
+        for param in params:
+            param.grad = None
+        start = time.perf_counter()
+        step(pipe)
+        _synchronize(pipe.devices)
+        return time.perf_counter() - start
+
     try:
-        for index in range(warmup + steps):
-            for param in params:
-                param.grad = None
-            if index == warmup:
-                pipe.record_timeline()
-            start = time.perf_counter()
-            step(pipe)
-            _synchronize(pipe.devices)
-            if index >= warmup:
-                times.append(time.perf_counter() - start)
-                timelines.append(pipe.timeline())
+        for _ in range(WARMUP_STEPS):
+            timed()
+        pipe.record_timeline()
+        for _ in range(TIMED_STEPS):
+            times.append(timed())
+            timelines.append(pipe.timeline())
+        pipe.record_timeline(False)
+        typical = agreement.slowest(statistics.median(times))
+        wanted = min(MOST_TIMED_STEPS, math.ceil(MIN_TIMED_S / max(typical, 1e-9)))
+        for _ in range(wanted - TIMED_STEPS):
+            times.append(timed())
     finally:
         pipe.record_timeline(False)
         for param in params:
@@ -85,25 +104,30 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
         seconds=agreement.slowest(statistics.median(times)),
         costs=[found[cell] for cell in range(len(config.cut.balance))],
         makespan=agreement.slowest(statistics.median(t.makespan for t in timelines)),
+        steps=len(times),
     )
 
 
 def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable[[Any], Any],
                  agreement: Agreement, rounds: int) -> list[float]:  # fmt: skip
-    """Each config's median step (the slowest rank's) over `rounds` rounds of one step each,
-    in turn (the order rotated each round), on its pipe (`pipes[i]`, already warm)."""
+    """Each config's median step (the slowest rank's) over `rounds` rounds, in turn (the
+    order rotated each round), on its pipe (`pipes[i]`, already warm). Each turn runs
+    BLOCK steps one after another and times all but the first, as a training loop runs
+    them: the first step after another pipe's finds its threads asleep and its caches cold."""
     times: list[list[float]] = [[] for _ in configs]
     for index in range(rounds):
         shift = index % len(configs)
         for which in [*range(shift, len(configs)), *range(shift)]:
             pipe, config = pipes[which], configs[which]
             pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
-            for param in pipe.parameters():
-                param.grad = None
-            start = time.perf_counter()
-            step(pipe)
-            _synchronize(pipe.devices)
-            times[which].append(time.perf_counter() - start)
+            for block in range(BLOCK):
+                for param in pipe.parameters():
+                    param.grad = None
+                start = time.perf_counter()
+                step(pipe)
+                _synchronize(pipe.devices)
+                if block:
+                    times[which].append(time.perf_counter() - start)
     for pipe in pipes:
         for param in pipe.parameters():
             param.grad = None

@@ -168,8 +168,10 @@ class Pricing:
 
     def calibrated(self, config: Config, fit: Fit) -> float:
         """The step of `config` as the measured steps calibrate gf.plan: its profiled task
-        costs times the fit's scale, the fit's hand-off per task, its call around them."""
+        costs times the fit's scale, the fit's hand-off per task, its call around them, all
+        times its schedule kind's correction."""
         cut = config.cut
+        fit = fit.of_kind(cut.schedule)
         scaled = [
             StageCosts(c.forward * fit.scale, c.backward * fit.scale,
                        c.backward_input * fit.scale, c.backward_weight * fit.scale)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 import warnings
 from typing import Any
@@ -17,7 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe_fast.api.auto import Builder, Config, Cut, TuneOptions, current_cut, install_tuner
+from gpipe_fast.api.auto import (
+    INITIAL,
+    Builder,
+    Config,
+    Cut,
+    TuneOptions,
+    current_cut,
+    install_tuner,
+)
 from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.nn.batchnorm import batch_statistics_layers
@@ -40,17 +49,19 @@ from gpipe_fast.planning.untouched import untouched
 from gpipe_fast.schedule.registry import placement
 
 # Candidates run at most; the first few by gf.plan's own ranking (each of another cut or
-# micro-batch count), the others only while the calibrated prediction is within WORTH of the
-# best step measured so far.
+# micro-batch count), then the pipe's defaults (what it runs without "auto"), the others only
+# while the calibrated prediction is within WORTH of the best step measured so far.
 MOST_MEASURED = 8
 FIRST_MEASURED = 3
 WORTH = 1.10
 # The measured candidates within CLOSE of the best (at most FINALISTS) then run again side by
-# side, FINAL_ROUNDS steps each in turn, so that load that came and went between their
+# side, in turn for FINAL_ROUNDS rounds (more for small steps: about MIN_TIMED_S per
+# candidate, MOST_FINAL_ROUNDS at most), so that load that came and went between their
 # measurements does not decide between them.
 CLOSE = 0.05
 FINALISTS = 3
 FINAL_ROUNDS = 3
+MOST_FINAL_ROUNDS = 15
 
 
 def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: TuneOptions,
@@ -85,7 +96,8 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
         batch = batch_size(tuple(inputs), "input")
         the_space = space(pipe, builder, auto.tuned, first=first, moves=moves, batch=batch,
                           layers=builder.most_cells())  # fmt: skip
-        search = _Search(pipe, builder, input, the_space, _budget(pipe, options), moves)
+        search = _Search(pipe, builder, input, the_space, _budget(pipe, options), moves,
+                         _defaults(pipe, auto.tuned))  # fmt: skip
         return len(search.ranked)
 
     def step(target_pipe: Any) -> Any:
@@ -106,13 +118,13 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
                 result, error = _measured(built, config, step, agreement)
                 if search is not None:
                     search.record(config, result, error)
-            finalists = (
-                [] if built.exclusive else agreement.decided(lambda: _source(search).finalists())
-            )
+            finalists: list[Config] = []
+            if not built.exclusive:
+                finalists, rounds = agreement.decided(lambda: _source(search).finalists())
             if len(finalists) > 1:
                 progress.show(MOST_MEASURED - 1, f"the best {len(finalists)} side by side")
                 pipes = [built.get(config.cut) for config in finalists]
-                times = side_by_side(pipes, finalists, step, agreement, FINAL_ROUNDS)
+                times = side_by_side(pipes, finalists, step, agreement, rounds)
                 if search is not None:
                     search.settle(finalists, times)
             tuning = agreement.decided(
@@ -170,6 +182,13 @@ def _source(search: _Search | None) -> _Search:
 def _on_meta(builder: Builder) -> bool:
     model = builder.model
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def _defaults(pipe: Any, tuned: Any) -> Config:
+    """What the pipe would run without "auto": its cut as built, with GPipe's defaults where
+    a setting is tuned (one micro-batch, checkpoint 'except_last')."""
+    return Config(current_cut(pipe), 1 if tuned.chunks else pipe.chunks,
+                  INITIAL["checkpoint"] if tuned.checkpoint else pipe.checkpoint)  # fmt: skip
 
 
 def _budget(pipe: Any, options: TuneOptions) -> int | None:
@@ -236,8 +255,9 @@ class _Search:
     next, what ran, and the choice."""
 
     def __init__(self, pipe: Any, builder: Builder, input: Value | None, the_space: Space,
-                 budget: int | None, moves: bool) -> None:  # fmt: skip
+                 budget: int | None, moves: bool, defaults: Config) -> None:  # fmt: skip
         assert input is not None, "the source rank runs cell 0: it has the input"
+        self.defaults = defaults
         self.workers = worker_count(pipe)
         self.pricing = Pricing(pipe, builder, input, self.workers)
         self.notes: list[str] = []
@@ -280,6 +300,8 @@ class _Search:
         left = [p.config for p in self.ranked if p.config not in tried]
         if not left:
             return None
+        if len(tried) >= FIRST_MEASURED and self.defaults in left:
+            return self.defaults  # so that "auto" measured no slower than leaving it out
         if not self.priced:
             return left[0]
         if len(tried) < FIRST_MEASURED or not self.measured:
@@ -303,11 +325,14 @@ class _Search:
             row.measured_s = measured.seconds
             self.measured[config] = measured
 
-    def finalists(self) -> list[Config]:
-        """The measured candidates close to the best, fastest first (FINALISTS at most)."""
+    def finalists(self) -> tuple[list[Config], int]:
+        """The measured candidates close to the best, fastest first (FINALISTS at most), and
+        the rounds they run side by side."""
         ranked = sorted(self.measured, key=lambda c: self.measured[c].seconds)
         best = self.measured[ranked[0]].seconds if ranked else 0.0
-        return [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)][:FINALISTS]
+        close = [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)]
+        wanted = math.ceil(measuring.MIN_TIMED_S / max(best, 1e-9))
+        return close[:FINALISTS], max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted))
 
     def settle(self, finalists: list[Config], seconds: list[float]) -> None:
         """The finalists' steps as they ran side by side."""
@@ -342,7 +367,14 @@ class _Search:
              m.handoff(config, self.workers, with_loss=False), m.call)
             for config, m in self.measured.items()
         ]  # fmt: skip
-        return fitted(samples)
+        pooled = fitted(samples)
+        ratios: dict[str, list[float]] = {}
+        for config, m in self.measured.items():
+            guess = self.pricing.calibrated(config, pooled)
+            if guess > 0:
+                ratios.setdefault(config.cut.schedule, []).append(m.seconds / guess)
+        by_kind = {kind: statistics.median(found) for kind, found in ratios.items()}
+        return dataclasses.replace(pooled, by_kind=by_kind)
 
 
 def unpriced(pipe: Any, builder: Builder, the_space: Space) -> list[Priced]:

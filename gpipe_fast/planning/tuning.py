@@ -12,11 +12,21 @@ from gpipe_fast.planning.plan import Plan
 class Fit:
     """gf.plan calibrated from the measured steps: the measured tasks' time over gf.plan's
     profiled time (`scale`), the runtime's seconds per task between tasks (`handoff`) and a
-    step's seconds around its tasks (`call`), medians over the measured candidates."""
+    step's seconds around its tasks (`call`), medians over the measured candidates; then, per
+    schedule kind measured, the median of its measured steps over their prediction so far
+    (`by_kind`): kinds differ in what gf.plan's simulation leaves out (one worker's cells
+    taking turns, the backward's halves apart)."""
 
     scale: float
     handoff: float
     call: float
+    by_kind: dict[str, float] = field(default_factory=dict, hash=False)
+
+    def of_kind(self, kind: str) -> Fit:
+        """The fit for one schedule kind: its correction folded into the scale, the hand-off
+        and the call (a step simulated with every cost times k lasts k times as long)."""
+        k = self.by_kind.get(kind, 1.0)
+        return Fit(self.scale * k, self.handoff * k, self.call * k)
 
 
 @dataclass
@@ -63,7 +73,7 @@ class Tuning:
         lines = [
             f"gpipe_fast tuning: chose {self.choice} in {self.seconds:.1f} s "
             f"({len(self.measured)} of {len(self.candidates)} candidates run, "
-            f"{self.measured_steps} timed steps each)"
+            f"at least {self.measured_steps} timed steps each)"
         ]
         if self.plan is not None:
             lines.append(f"its calibrated plan predicts {self.plan.step_time * 1e3:.2f} ms a step")
