@@ -29,6 +29,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Few candidates and steps: the tests check behaviour, not the choice."""
     monkeypatch.setattr(tune, "MOST_MEASURED", 3)
     monkeypatch.setattr(tune, "FIRST_MEASURED", 2)
+    monkeypatch.setattr(tune, "CHEAP_S", 0.0)
     monkeypatch.setattr(measure, "TIMED_STEPS", 2)
     monkeypatch.setattr(measure, "MIN_TIMED_S", 0.0)
     monkeypatch.setattr(price, "PROFILE_WARMUP", 0)
@@ -466,3 +467,44 @@ def test_the_calibration_corrects_each_schedule_kind_it_measured(pipes: list[Any
     for ran in kinds.values():
         if len(ran) == 1:  # a kind measured once: its calibrated step is the one measured
             assert ran[0].calibrated_s == pytest.approx(ran[0].measured_s, rel=1e-6)
+
+
+def test_while_measuring_is_cheap_more_candidates_run(pipes: list[Any],
+                                                      monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:  # fmt: skip
+    # Steps of milliseconds: gf.plan's prediction is too far off to leave candidates out.
+    monkeypatch.setattr(tune, "CHEAP_S", 1e6)
+    monkeypatch.setattr(tune, "MOST_CHEAP", 6)
+    x, y = batch()
+    tuning = auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
+    assert len(tuning.measured) == 6 > tune.MOST_MEASURED
+    monkeypatch.setattr(tune, "CHEAP_S", 0.0)
+    tuning = auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
+    assert len(tuning.measured) <= tune.MOST_MEASURED
+
+
+def test_the_pipe_warms_up_before_the_first_candidate_and_the_defaults_run_in_the_final(
+    pipes: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh process's first steps run slower: the first candidate measured would seem slow.
+    # And the defaults, measured, run side by side with the best: no pick that merely
+    # measured faster than them at another moment.
+    events: list[str] = []
+    warm_up, measured = measure.warm_up, tune.measure
+    monkeypatch.setattr(measure, "warm_up", lambda *a: (events.append("warm"), warm_up(*a)))
+    monkeypatch.setattr(tune, "measure", lambda *a: (events.append("measure"), measured(*a))[1])
+    finals: list[list[Any]] = []
+    side_by_side = tune.side_by_side
+    monkeypatch.setattr(tune, "side_by_side",
+                        lambda p, configs, *a: (finals.append(list(configs)),
+                                                side_by_side(p, configs, *a))[1])  # fmt: skip
+    monkeypatch.setattr(tune, "MOST_MEASURED", 4)
+    monkeypatch.setattr(tune, "CLOSE", 10.0)  # every measured candidate is close
+    monkeypatch.setattr(tune, "FINALISTS", 2)
+    x, y = batch()
+    pipe = auto_pipe(net(), pipes)
+    defaults = auto.Config(auto.Cut("gpipe", tuple(pipe.balance)), 1, "except_last")
+    tuning = pipe.tune(x, y, loss_fn, progress=False)
+    assert events[0] == "warm" and events.count("warm") == 1
+    assert defaults in [c.config for c in tuning.measured]
+    assert len(finals) == 1 and len(finals[0]) == 2 and defaults in finals[0]

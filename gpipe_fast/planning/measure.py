@@ -32,6 +32,10 @@ MIN_TIMED_S = 0.3
 MOST_TIMED_STEPS = 40
 # Steps a side-by-side turn runs one after another (all but the first timed).
 BLOCK = 2
+# Before the first candidate the pipe runs about WARM_UP_S of steps: a fresh process's first
+# steps run slower (its heap, the rings between the ranks, the caches growing), and so would
+# the first candidates measured seem (by 20-40% across processes on a 2-core host).
+WARM_UP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -71,27 +75,16 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
     pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
     params = list(pipe.parameters())
     times, timelines = [], []
-
-    def timed() -> float:
-        for param in params:
-            param.grad = None
-        start = time.perf_counter()
-        step(pipe)
-        _synchronize(pipe.devices)
-        return time.perf_counter() - start
-
     try:
         for _ in range(WARMUP_STEPS):
-            timed()
+            _timed(pipe, step, params)
         pipe.record_timeline()
         for _ in range(TIMED_STEPS):
-            times.append(timed())
+            times.append(_timed(pipe, step, params))
             timelines.append(pipe.timeline())
         pipe.record_timeline(False)
-        typical = agreement.slowest(statistics.median(times))
-        wanted = min(MOST_TIMED_STEPS, math.ceil(MIN_TIMED_S / max(typical, 1e-9)))
-        for _ in range(wanted - TIMED_STEPS):
-            times.append(timed())
+        for _ in range(_steps_for(MIN_TIMED_S, statistics.median(times), agreement) - TIMED_STEPS):
+            times.append(_timed(pipe, step, params))
     finally:
         pipe.record_timeline(False)
         for param in params:
@@ -120,18 +113,44 @@ def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable
         for which in [*range(shift, len(configs)), *range(shift)]:
             pipe, config = pipes[which], configs[which]
             pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
+            params = list(pipe.parameters())
             for block in range(BLOCK):
-                for param in pipe.parameters():
-                    param.grad = None
-                start = time.perf_counter()
-                step(pipe)
-                _synchronize(pipe.devices)
+                seconds = _timed(pipe, step, params)
                 if block:
-                    times[which].append(time.perf_counter() - start)
+                    times[which].append(seconds)
     for pipe in pipes:
         for param in pipe.parameters():
             param.grad = None
     return [agreement.slowest(statistics.median(series)) for series in times]
+
+
+def warm_up(pipe: Any, step: Callable[[Any], Any], agreement: Agreement) -> None:
+    """Runs `step(pipe)` for about WARM_UP_S (at least one step; every rank at once)."""
+    params = list(pipe.parameters())
+    try:
+        first = _timed(pipe, step, params)
+        for _ in range(_steps_for(WARM_UP_S, first, agreement) - 1):
+            _timed(pipe, step, params)
+    finally:
+        for param in params:
+            param.grad = None
+
+
+def _timed(pipe: Any, step: Callable[[Any], Any], params: Sequence[torch.Tensor]) -> float:
+    """The seconds of one step of `pipe`, from gradients set to None to its devices idle."""
+    for param in params:
+        param.grad = None
+    start = time.perf_counter()
+    step(pipe)
+    _synchronize(pipe.devices)
+    return time.perf_counter() - start
+
+
+def _steps_for(seconds: float, typical: float, agreement: Agreement) -> int:
+    """How many steps of `typical` seconds (the slowest rank's: the same count on every rank)
+    last about `seconds`, MOST_TIMED_STEPS at most."""
+    typical = agreement.slowest(typical)
+    return min(MOST_TIMED_STEPS, math.ceil(seconds / max(typical, 1e-9)))
 
 
 def _synchronize(devices: Sequence[torch.device]) -> None:

@@ -22,7 +22,8 @@ class Progress:
     def show(self, done: int, what: str) -> None:
         if not self.enabled:
             return
-        filled = WIDTH * min(done, self.total) // self.total
+        self.total = max(self.total, done)  # more ran than planned (small steps: see tune)
+        filled = WIDTH * done // self.total
         bar = "#" * filled + "." * (WIDTH - filled)
         seconds = time.perf_counter() - self.started
         line = f"gpipe_fast tuning [{bar}] {done}/{self.total} {seconds:5.1f} s  {what}"

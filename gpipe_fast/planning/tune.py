@@ -50,16 +50,22 @@ from gpipe_fast.schedule.registry import placement
 
 # Candidates run at most; the first few by gf.plan's own ranking (each of another cut or
 # micro-batch count), then the pipe's defaults (what it runs without "auto"), the others only
-# while the calibrated prediction is within WORTH of the best step measured so far.
+# while the calibrated prediction is within WORTH of the best step measured so far. While the
+# measuring has lasted less than CHEAP_S, the next best predicted runs whatever its prediction,
+# up to MOST_CHEAP: where steps take milliseconds, gf.plan is 20-40% off (the runtime's own
+# costs dominate) and measuring more is what tells the candidates apart, at a small cost.
 MOST_MEASURED = 8
 FIRST_MEASURED = 3
 WORTH = 1.10
-# The measured candidates within CLOSE of the best (at most FINALISTS) then run again side by
-# side, in turn for FINAL_ROUNDS rounds (more for small steps: about MIN_TIMED_S per
-# candidate, MOST_FINAL_ROUNDS at most), so that load that came and went between their
-# measurements does not decide between them.
-CLOSE = 0.05
-FINALISTS = 3
+CHEAP_S = 3.0
+MOST_CHEAP = 24
+# The measured candidates within CLOSE of the best (at most FINALISTS, the defaults among
+# them when measured within 2 * CLOSE) then run again side by side, in turn for FINAL_ROUNDS
+# rounds (more for small steps: about MIN_TIMED_S per candidate, MOST_FINAL_ROUNDS at most),
+# so that load that came and went between their measurements does not decide between them:
+# on a shared host a step's time drifts by 15% from one second to the next.
+CLOSE = 0.15
+FINALISTS = 4
 FINAL_ROUNDS = 3
 MOST_FINAL_ROUNDS = 15
 
@@ -106,6 +112,8 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
     with auto.tuning_now(), untouched([pipe, builder.model], inputs):
         try:
             agreement.decided(start)
+            progress.show(0, "warming up")
+            _warmed_up(pipe, step, agreement)
             since = time.perf_counter()
             while True:
                 config = agreement.decided(
@@ -122,7 +130,7 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
             if not built.exclusive:
                 finalists, rounds = agreement.decided(lambda: _source(search).finalists())
             if len(finalists) > 1:
-                progress.show(MOST_MEASURED - 1, f"the best {len(finalists)} side by side")
+                progress.show(progress.total - 1, f"the best {len(finalists)} side by side")
                 pipes = [built.get(config.cut) for config in finalists]
                 times = side_by_side(pipes, finalists, step, agreement, rounds)
                 if search is not None:
@@ -151,6 +159,17 @@ def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return None, error
+
+
+def _warmed_up(pipe: Any, step: Any, agreement: Agreement) -> None:
+    """The pipe as built run for a while first (measure.warm_up). In one process a step that
+    fails here is left to the candidates, which report it; across processes it fails the
+    tuning on every rank."""
+    try:
+        measuring.warm_up(pipe, step, agreement)
+    except (RuntimeError, MemoryError, ValueError, TypeError):
+        if agreement.pp_group is not None or agreement.dp_group is not None:
+            raise
 
 
 def _warn_batch_statistics(model: nn.Module) -> None:
@@ -293,7 +312,8 @@ class _Search:
     def next(self, elapsed: float, budget_s: float | None) -> Config | None:
         """The next candidate to run, or None: enough were."""
         tried = [c for c, row in self.rows.items() if row.measured_s or row.error]
-        if len(tried) >= MOST_MEASURED:
+        cheap = elapsed < CHEAP_S
+        if len(tried) >= (MOST_CHEAP if cheap else MOST_MEASURED):
             return None
         if budget_s is not None and elapsed >= budget_s and self.measured:
             return None
@@ -313,7 +333,7 @@ class _Search:
         guesses = {config: self.pricing.calibrated(config, self.fit) for config in left}
         best = min(m.seconds for m in self.measured.values())
         config = min(left, key=lambda c: guesses[c])
-        return config if guesses[config] <= best * WORTH else None
+        return config if cheap or guesses[config] <= best * WORTH else None
 
     def record(self, config: Config, measured: Measurement | None,
                error: BaseException | None) -> None:  # fmt: skip
@@ -331,8 +351,11 @@ class _Search:
         ranked = sorted(self.measured, key=lambda c: self.measured[c].seconds)
         best = self.measured[ranked[0]].seconds if ranked else 0.0
         close = [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)]
+        close = close[:FINALISTS]
+        if self.defaults in self.measured and self.defaults not in close and close:
+            close[-1 if len(close) == FINALISTS else len(close) :] = [self.defaults]
         wanted = math.ceil(measuring.MIN_TIMED_S / max(best, 1e-9))
-        return close[:FINALISTS], max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted))
+        return close, max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted))
 
     def settle(self, finalists: list[Config], seconds: list[float]) -> None:
         """The finalists' steps as they ran side by side."""
