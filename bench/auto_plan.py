@@ -4,16 +4,15 @@ For each workload, in 1 process and in 2 (gloo over 127.0.0.1, shared memory bet
 ranks), a pipe built with schedule, chunks and checkpoint "auto" runs ``pipe.tune()`` on the
 job's batch (timed: the tuning's cost). Then every candidate the tuning priced (every
 schedule kind with its cells, every balance or split points it tried, every micro-batch
-count and checkpoint mode whose predicted memory fits), and the defaults (GPipe or
-gf.pipeline with no schedule, chunks or checkpoint given), is measured against the tuned pipe
+count and checkpoint mode whose predicted memory fits) is measured against the tuned pipe
 itself, in groups of pipes interleaved round by round, each turn running two train_steps
 of a pipe one after the other and timing the second, as a training loop runs them (order
 rotated; across processes each step starts at a barrier and takes the slower rank's time).
 A config's time is the tuned pipe's median step times the median of its per-round ratios to
 the tuned pipe in the same round, so that load that comes and goes between groups cancels
-out. The sweep's four fastest are then measured again with the defaults, for three times
-the rounds: the least of a hundred noisy medians is low by chance, and the best is the
-confirmed one.
+out. The sweep's four fastest are then measured again with the defaults (GPipe or
+gf.pipeline with no schedule, chunks or checkpoint given), for three times the rounds: the
+least of a hundred noisy medians is low by chance, and the best is the confirmed one.
 
 Reported per workload and process count:
 - the auto pick against the best of the sweep (target: within 5%) and against the defaults;
@@ -277,11 +276,10 @@ def run(name: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
             configs = configs[: args.most]
             if tuned["choice"] not in configs:
                 configs.append(tuned["choice"])
-        configs.append(None)  # the defaults
-        ratios: list[float] = []
         reference: list[float] = []
 
-        def measured(part: list[dict[str, Any] | None], rounds: int) -> None:
+        def ratios(part: list[dict[str, Any] | None], rounds: int) -> list[float]:
+            """Each config's median ratio to the tuned pipe in the same round."""
             payload = {"name": name, "configs": part, "devices": tuned["devices"],
                        "rounds": rounds, "warmup": args.warmup, "block": args.block}  # fmt: skip
             ranks = workers.ask(("group", payload), "group")
@@ -289,21 +287,19 @@ def run(name: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
             times = [[max(r) for r in zip(*(rank[i] for rank in ranks), strict=True)]
                      for i in range(len(part) + 1)]  # fmt: skip
             reference.extend(times[0])
-            for series in times[1:]:
-                ratios.append(statistics.median(
-                    t / ref for t, ref in zip(series, times[0], strict=True)))  # fmt: skip
+            return [statistics.median(t / ref for t, ref in zip(series, times[0], strict=True))
+                    for series in times[1:]]  # fmt: skip
 
+        swept: list[float] = []
         for start in range(0, len(configs), args.group):
-            measured(configs[start : start + args.group], args.rounds)
+            swept += ratios(configs[start : start + args.group], args.rounds)
             print(f"  measured {min(start + args.group, len(configs))} / {len(configs)}",
                   flush=True)  # fmt: skip
-        swept = ratios[:-1]
-        # The sweep's fastest again, with the defaults, for 3x the rounds: the least of many
-        # noisy medians is low by chance (the winner's curse), so the best is confirmed.
+        # The sweep's fastest again, with the defaults (None: nothing given), for 3x the
+        # rounds: the least of many noisy medians is low by chance (the winner's curse), so
+        # the best is confirmed.
         top = sorted(range(len(swept)), key=swept.__getitem__)[: args.confirm]
-        ratios.clear()
-        measured([configs[i] for i in top] + [None], 3 * args.rounds)
-        confirmed, defaults_ratio = ratios[:-1], ratios[-1]
+        *confirmed, defaults_ratio = ratios([configs[i] for i in top] + [None], 3 * args.rounds)
         ranks = workers.ask(("steady", {"name": name, "steps": 4 * args.rounds}), "steady")
         steady_s = statistics.median(max(step) for step in zip(*ranks, strict=True))
     finally:
