@@ -7,6 +7,7 @@ choice is kept per input signature, the report lists what ran)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -508,3 +509,16 @@ def test_the_pipe_warms_up_before_the_first_candidate_and_the_defaults_run_in_th
     assert events[0] == "warm" and events.count("warm") == 1
     assert defaults in [c.config for c in tuning.measured]
     assert len(finals) == 1 and len(finals[0]) == 2 and defaults in finals[0]
+    # Measured beyond 2 * CLOSE of the best, the defaults stay out of the final.
+    finals.clear()
+    monkeypatch.setattr(tune, "CLOSE", 0.5)
+
+    def slow_defaults(pipe: Any, config: Any, *a: Any) -> Any:
+        found = measured(pipe, config, *a)
+        return dataclasses.replace(found, seconds=found.seconds * 10) if config == defaults \
+            else found  # fmt: skip
+
+    monkeypatch.setattr(tune, "measure", slow_defaults)
+    tuning = auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
+    assert defaults in [c.config for c in tuning.measured]
+    assert all(defaults not in final for final in finals)

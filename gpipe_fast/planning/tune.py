@@ -352,8 +352,10 @@ class _Search:
         best = self.measured[ranked[0]].seconds if ranked else 0.0
         close = [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)]
         close = close[:FINALISTS]
-        if self.defaults in self.measured and self.defaults not in close and close:
-            close[-1 if len(close) == FINALISTS else len(close) :] = [self.defaults]
+        defaults = self.measured.get(self.defaults)
+        if defaults is not None and defaults.seconds <= best * (1 + 2 * CLOSE):
+            if self.defaults not in close:  # in the last place, or one more
+                close[-1 if len(close) == FINALISTS else len(close) :] = [self.defaults]
         wanted = math.ceil(measuring.MIN_TIMED_S / max(best, 1e-9))
         return close, max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted))
 
