@@ -14,7 +14,9 @@ import torch
 from gpipe_fast.distributed.driver import rank_share
 from gpipe_fast.distributed.guard import PeerFailure
 from gpipe_fast.distributed.layout import ProcessLayout
+from gpipe_fast.errors import SignatureChanged
 from gpipe_fast.nn.items import Counting, StepItems
+from gpipe_fast.nn.signature import input_signature
 
 
 class FakeGroups:
@@ -27,22 +29,31 @@ class FakeGroups:
         rings: bool = False,
         fails: BaseException | None = None,
         unusable: BaseException | None = None,
+        first_signature: int | None = None,
     ) -> None:
         self.agreed, self.agrees_over_rings = agreed, rings
         self.fails, self.unusable = fails, unusable
+        self.first_signature = first_signature  # cell 0's (None: the caller's own)
         self.calls: list[tuple[int | None, bool, int | None]] = []
+        self.signatures: list[int | None] = []
 
     def check_usable(self) -> None:
         if self.unusable is not None:
             raise self.unusable
 
     def batch(
-        self, local: int | None, refused: bool = False, chunks: int | None = None
-    ) -> tuple[int, int]:
+        self,
+        local: int | None,
+        refused: bool = False,
+        chunks: int | None = None,
+        signature: int | None = None,
+    ) -> tuple[int, int, int | None]:
         self.calls.append((local, refused, chunks))
+        self.signatures.append(signature)
         if self.fails is not None:
             raise self.fails
-        return self.agreed
+        first = self.first_signature if self.first_signature is not None else signature
+        return (*self.agreed, None if signature is None else first)
 
     def items(
         self, counted: list[int] | None, count: int, *, from_first: bool
@@ -77,6 +88,33 @@ def test_the_first_ranks_input_is_split_and_its_size_told() -> None:
     assert torch.equal(torch.cat(share.microbatches), x)
     assert share.targets == [None] * 4  # the target is the last cell's rank's
     assert reported == []
+
+
+def test_the_first_rank_tells_its_inputs_signature_with_the_batch_size() -> None:
+    x = torch.randn(10, 3)
+    expected = input_signature((x,))
+    groups = FakeGroups((10, 10))
+    share, _ = _share(0, groups, x, None, 2, needs_target=False, signature=expected)
+    assert groups.signatures == [expected] and share.count == 2
+    # Another input's: every rank raises at the agreement, before any task, and reports
+    # nothing (not a failure: the pipe takes that signature's choice and runs again).
+    wider = torch.randn(10, 4)
+    groups = FakeGroups((10, 10))
+    with pytest.raises(SignatureChanged) as changed:
+        _share(0, groups, wider, None, 2, needs_target=False, signature=expected)
+    assert changed.value.signature == input_signature((wider,)) != expected
+    # A rank without the input sends 0 and learns cell 0's.
+    groups = FakeGroups((10, 10), first_signature=input_signature((wider,)))
+    with pytest.raises(SignatureChanged):
+        _, reported = _share(1, groups, None, None, 2, needs_target=False, signature=expected)
+    assert groups.signatures == [0]
+    share, reported = _share(1, FakeGroups((10, 10), first_signature=expected), None, None, 2,
+                             needs_target=False, signature=expected)  # fmt: skip
+    assert share.count == 2 and reported == []
+    # No signature asked: none sent, none checked.
+    groups = FakeGroups((10, 10), first_signature=12345)
+    _share(1, groups, None, None, 2, needs_target=False)
+    assert groups.signatures == [None]
 
 
 def test_the_last_ranks_target_is_split_as_the_agreed_batch() -> None:

@@ -184,6 +184,45 @@ def test_the_choice_is_kept_per_input_signature(pipes: list[Any], monkeypatch: p
     assert set(pipe._auto.tunings) == {first.signature, second.signature}
 
 
+def test_a_step_checks_its_signature_in_its_own_agreement(pipes: list[Any],
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:  # fmt: skip
+    # After the first step, the step's batch agreement carries cell 0's signature (across
+    # processes: no message of its own); a new one stops the step before any task and runs it
+    # again on that signature's choice, once.
+    agreements: list[int] = []
+    real = auto.signature
+
+    def agreeing(*args: Any) -> int:
+        agreements.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(auto, "signature", agreeing)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]).double()
+    plain = copy.deepcopy(model)
+    pipe = auto_pipe(model, pipes)
+    eight, four = batch(8), batch(4)
+    pipe.train_step(*eight, loss_fn)
+    assert len(agreements) == 1
+    runs: list[int | None] = []
+    real_run = pipe._pipeline.run
+
+    def run(request: Any, *args: Any) -> Any:
+        runs.append(request.signature)
+        return real_run(request, *args)
+
+    monkeypatch.setattr(pipe._pipeline, "run", run)
+    pipe.train_step(*eight, loss_fn)
+    assert len(agreements) == 1 and runs == [pipe.tuning.signature]
+    first = pipe.tuning.signature
+    loss = pipe.train_step(*four, loss_fn)
+    # Stopped at the agreement, tuned (its steps check nothing), then run on the new choice.
+    assert runs[1] == first and set(runs[2:]) == {None} and len(runs) > 3
+    assert pipe.tuning.signature != first and len(agreements) == 1
+    assert torch.allclose(loss, loss_fn(plain(four[0]), four[1]), rtol=1e-12, atol=0)
+
+
 def test_the_report_lists_every_candidate_and_the_choice(pipes: list[Any]) -> None:
     x, y = batch()
     pipe = auto_pipe(net(), pipes)

@@ -3,6 +3,7 @@ kept (at a train_step) or moved with their values (at pipe.tune), nothing of the
 
 from __future__ import annotations
 
+import pytest
 from cluster import Cluster, values
 
 CASES = "tune_cases"
@@ -44,12 +45,17 @@ def test_tune_moves_layers_with_their_values_and_gradients(two: Cluster) -> None
         assert reply["error"] < 1e-12
 
 
-def test_a_new_signature_retunes_on_every_rank(two: Cluster) -> None:
-    replies = values(two.run(f"{CASES}.signatures_agree", timeout_s=300.0))
+@pytest.mark.parametrize(("transport", "kind"), [("", "shared memory"), ("gloo", "gloo")])
+def test_a_new_signature_retunes_on_every_rank(two: Cluster, transport: str, kind: str) -> None:
+    # After the first step, cell 0's rank tells its input's signature with the batch size.
+    replies = values(two.run(f"{CASES}.signatures_agree", timeout_s=300.0, transport=transport))
     first, second = (reply["steps"] for reply in replies)
     assert [s["choice"] for s in first] == [s["choice"] for s in second]
     assert [s["signatures"] for s in first] == [1, 2, 2]
     assert first[0]["choice"] == first[2]["choice"]  # back to the first batch: its choice
+    for step in first + second:
+        assert step["transport"] == kind
+        assert step["loss_error"] < 1e-6  # the step ran again on the new signature's choice
     for reply in replies:
         assert reply["untouched"]
 

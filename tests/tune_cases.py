@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import torch
@@ -160,21 +161,27 @@ def _index_in_layer(module: nn.Sequential, name: str) -> int:
     return params.index(name.split(".", 1)[1])
 
 
-def signatures_agree(rank: int, world: int) -> dict[str, Any]:
-    """A new batch size retunes on every rank (only cell 0's rank sees the input); a second
-    tune() after steps moves nothing of this rank's cells."""
+def signatures_agree(rank: int, world: int, transport: str = "") -> dict[str, Any]:
+    """A new batch size retunes on every rank (only cell 0's rank sees the input, and tells
+    it with the step's batch size, over the rings or, with `transport` "gloo", over the
+    group); each step's loss is the plain model's; a second tune() after steps moves nothing
+    of this rank's cells."""
     _quick()
     module = uneven()
+    plain = copy.deepcopy(module)
     x, y = data(8)
     small_x, small_y = data(4)
+    os.environ["GPIPE_FAST_TRANSPORT"] = transport  # read at each build, rebuilds too
     pipe = gf.GPipe(module, schedule="auto", chunks="auto", checkpoint="auto",
                     pp_group=dist.group.WORLD)  # fmt: skip
     steps: list[dict[str, Any]] = []
     try:
         for inputs, target in ((x, y), (small_x, small_y), (x, y)):
-            pipe.train_step(_mine(rank, world, inputs, False), _mine(rank, world, target, True),
-                            nn.functional.mse_loss)  # fmt: skip
-            steps.append(_report(pipe))
+            mine, theirs = _mine(rank, world, inputs, False), _mine(rank, world, target, True)
+            loss = pipe.train_step(mine, theirs, nn.functional.mse_loss)
+            expected = nn.functional.mse_loss(plain(inputs), target)
+            steps.append({**_report(pipe), "loss_error": abs(loss.item() - expected.item()),
+                          "transport": pipe.transport_kind})  # fmt: skip
         values = {k: v.clone() for k, v in pipe.state_dict().items()}
         grads = [p.grad.clone() for p in pipe.parameters()]
         pipe.tune(_mine(rank, world, x, False), _mine(rank, world, y, True),
@@ -184,6 +191,7 @@ def signatures_agree(rank: int, world: int) -> dict[str, Any]:
         )
         return {"steps": steps, "untouched": untouched}
     finally:
+        os.environ.pop("GPIPE_FAST_TRANSPORT")
         pipe.close()
 
 

@@ -7,15 +7,15 @@ gpipe_fast is imported (`install_tuner`)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from gpipe_fast.nn.microbatch import Value, as_tensors
+from gpipe_fast.nn.signature import input_signature
 
 # A GPipe (api/gpipe.py imports this module, so it is not named here).
 GPipe = Any
@@ -177,16 +177,29 @@ class AutoPipe:
             pipe.chunks = max(1, len(pipe.balance))
 
     def before_step(self, pipe: GPipe, input: Value | None, target: Any, loss_fn: Any,
-                    reduction: str) -> None:  # fmt: skip
-        """Tunes at a new input signature (every rank at once), or takes the choice made
-        for it before."""
+                    reduction: str) -> int | None:  # fmt: skip
+        """Tunes at the first step (every rank at once). Returns the signature the step is
+        to check its input against (the current choice's; None: no check): across processes
+        cell 0's rank tells it with the batch size, so that a step of an unchanged signature
+        sends no message of its own; an input of another raises SignatureChanged before any
+        task, and the caller takes that signature's choice (at_signature) and runs the step
+        again. Replicas (dp_group) agree on theirs here, at every step."""
         if self.busy:
-            return
-        key = signature(pipe, input)
+            return None
+        replicated = pipe.layout.dp_group is not None
+        if self.current is not None and not replicated:
+            return cast(int, self.current.signature)
+        self.at_signature(pipe, signature(pipe, input), input, target, loss_fn, reduction)
+        return None
+
+    def at_signature(self, pipe: GPipe, key: int, input: Value | None, target: Any,
+                     loss_fn: Any, reduction: str) -> None:  # fmt: skip
+        """Takes the choice made for input signature `key` before, or tunes at it (every
+        rank at once)."""
         tuning = self.tunings.get(key)
         if tuning is None:
             options = TuneOptions(implicit=True, reduction=reduction)
-            tuning = self.tune(pipe, input, target, loss_fn, options, key)
+            self.tune(pipe, input, target, loss_fn, options, key)
         else:
             self.use(pipe, tuning)
 
@@ -221,12 +234,8 @@ def signature(pipe: GPipe, input: Value | None) -> int:
     input's tensors, hashed where cell 0 runs and told to the others."""
     local = 0
     pipeline = pipe._pipeline
-    processes = pipe.layout
-    if input is not None and processes.is_local(0):
-        tensors = as_tensors(input, "input")
-        shapes = repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()
-        # The same on every process (Python's own hash of a str is salted per process).
-        local = int.from_bytes(hashlib.blake2b(shapes, digest_size=8).digest(), "big") >> 2
+    if input is not None and pipe.layout.is_local(0):
+        local = input_signature(as_tensors(input, "input"))
     groups = pipeline.groups if pipeline is not None else None
     return local if groups is None else groups.signature(local)
 

@@ -22,6 +22,7 @@ from gpipe_fast.distributed.layout import ProcessLayout
 from gpipe_fast.distributed.process_groups import ProcessGroups, pipe_guard
 from gpipe_fast.distributed.sharded import Sharding
 from gpipe_fast.distributed.sync_copies import broadcast_replicas, broadcast_ties
+from gpipe_fast.errors import SignatureChanged
 from gpipe_fast.nn.items import Counting, count_items, step_items
 from gpipe_fast.nn.microbatch import (
     BatchShare,
@@ -32,6 +33,7 @@ from gpipe_fast.nn.microbatch import (
     scatter_target,
     split_sizes,
 )
+from gpipe_fast.nn.signature import input_signature
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.skip.layout import SkipLayout
 from gpipe_fast.transport.processes.across import skips_between_ranks
@@ -51,17 +53,21 @@ def rank_share(
     ready: Callable[[], None] | None = None,
     same_count: bool = False,
     counting: Counting | None = None,
+    signature: int | None = None,
 ) -> BatchShare:
     """This rank's share of a step: cell 0's rank needs `input` (and tells the others its
     batch size), the last cell's rank `target` when `needs_target`; the others may pass
     None. Refuses a step after a failed one, and one that `ready` raises for. With
     `counting`, the items of the micro-batches are counted where they are (cell 0's input or
-    the last cell's target) and agreed on (see ProcessGroups.items)."""
+    the last cell's target) and agreed on (see ProcessGroups.items). With `signature` (the
+    input signature the step expects), cell 0's rank tells its input's with the batch size,
+    and every rank raises SignatureChanged when it is another, before any other message."""
     groups.check_usable()
     first, last = layout.is_local(0), layout.is_local(layout.stages - 1)
     # A bad argument or a rank that cannot run is every rank's failed step, with its cause,
     # not a wait until the timeout (or the end of the refusing rank's process).
     refusal: BaseException | None = None
+    local_signature: int | None = None
     given: tuple[Tensor, ...] = ()
     microbatches: list[Value] = []
     counted: list[int] | None = None
@@ -74,6 +80,8 @@ def rank_share(
             raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
         given = as_tensors(input, "input") if first else ()
         size = batch_size(given, "input") if first else None
+        if signature is not None:
+            local_signature = input_signature(given) if first else 0
         if counting is not None:
             counted = _count_here(counting, input, target, chunks, first=first, last=last)
     except BaseException as error:
@@ -83,7 +91,9 @@ def rank_share(
         refusal, size = error, None
     try:  # over the process group, a refusing rank takes part too (see ProcessGroups.batch)
         agreed = chunks if same_count else None
-        batch, total = groups.batch(size, refused=refusal is not None, chunks=agreed)
+        batch, total, agreed_signature = groups.batch(
+            size, refused=refusal is not None, chunks=agreed, signature=local_signature
+        )
     except BaseException as error:
         if refusal is None:
             report(error)
@@ -91,6 +101,8 @@ def rank_share(
         raise refusal from None
     if refusal is not None:
         raise refusal
+    if agreed_signature is not None and agreed_signature != signature:
+        raise SignatureChanged(agreed_signature)  # on every rank, each at the same message
     count = len(split_sizes(batch, chunks))
     items = None
     if counting is not None:
@@ -199,12 +211,13 @@ class CrossProcess:
         *,
         needs_target: bool,
         counting: Counting | None = None,
+        signature: int | None = None,
     ) -> BatchShare:
         """This rank's share of a step (see rank_share)."""
         return rank_share(
             self.layout, self.groups, self.report, input, target, chunks,
             needs_target=needs_target, ready=self.ready, same_count=self.sharding is not None,
-            counting=counting,
+            counting=counting, signature=signature,
         )  # fmt: skip
 
     @contextmanager

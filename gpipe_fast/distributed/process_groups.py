@@ -135,10 +135,19 @@ class ProcessGroups:
         return self.links is not None
 
     def batch(
-        self, local: int | None, refused: bool = False, chunks: int | None = None
-    ) -> tuple[int, int]:
-        """(this pipeline's batch size, the batch over every data-parallel replica): the rank
-        of cell 0 tells the others its input's size; replicas add theirs up.
+        self,
+        local: int | None,
+        refused: bool = False,
+        chunks: int | None = None,
+        signature: int | None = None,
+    ) -> tuple[int, int, int | None]:
+        """(this pipeline's batch size, the batch over every data-parallel replica, cell 0's
+        input signature or None): the rank of cell 0 tells the others its input's size;
+        replicas add theirs up.
+
+        With `signature` (every rank passes one, cell 0's rank its input's, the others 0; no
+        replicas) the same message carries cell 0's: an "auto" pipe's steps then learn a new
+        input signature without a message of their own (see ProcessGroups.signature).
 
         Over the process group, every rank takes part even when it `refused` the step (its
         cause already reported), and says so in the same all-reduce: then no rank starts a
@@ -150,8 +159,12 @@ class ProcessGroups:
         With `chunks` (sharded stages, whose replicas must run the same tasks), the replicas
         also agree that their batches split into as many micro-batches, in the same
         all-reduce; ValueError on every rank when they do not."""
-        # [the batch size (cell 0's rank, others 0), ranks that refused the step]
-        message = torch.tensor([local or 0, int(refused)], dtype=torch.int64, device=self.device)
+        if signature is not None and self.layout.dp_group is not None:
+            raise ValueError("signature: replicas agree on theirs with ProcessGroups.signature")
+        # [the batch size (cell 0's rank, others 0), ranks that refused the step, and cell 0's
+        # input signature when asked (others 0)]
+        values = [local or 0, int(refused)] + ([] if signature is None else [signature])
+        message = torch.tensor(values, dtype=torch.int64, device=self.device)
         if self.layout.multi_process:
             if self.agrees_over_rings:
                 self._broadcast(message, self.layout.global_rank(0), BATCH_TAG, "the batch size")
@@ -177,7 +190,8 @@ class ProcessGroups:
                     f"{len(split_sizes(size, chunks))}): sharded stages must run the same "
                     f"tasks on every replica; give each replica at least {chunks} rows"
                 )
-        return size, int(message[0].item())
+        agreed = None if signature is None else int(message[2].item())
+        return size, int(message[0].item()), agreed
 
     def items(
         self, counted: list[int] | None, count: int, *, from_first: bool

@@ -10,8 +10,10 @@ import torch
 from torch import Tensor
 
 from gpipe_fast.device.streams import CellStreams
+from gpipe_fast.errors import SignatureChanged
 from gpipe_fast.nn.items import Counting
 from gpipe_fast.nn.microbatch import BatchShare, Value, whole_batch
+from gpipe_fast.nn.signature import input_signature
 from gpipe_fast.nn.tied import TiedGradients
 from gpipe_fast.transport.choice import InProcessMedia
 from gpipe_fast.transport.local import LocalTransport
@@ -41,8 +43,12 @@ class OneProcess:
         *,
         needs_target: bool,
         counting: Counting | None = None,
+        signature: int | None = None,
     ) -> BatchShare:
-        return whole_batch(input, target, chunks, needs_target=needs_target, counting=counting)
+        share = whole_batch(input, target, chunks, needs_target=needs_target, counting=counting)
+        if signature is not None and (found := input_signature(share.given)) != signature:
+            raise SignatureChanged(found)
+        return share
 
     @contextmanager
     def running(self, *, backward: bool) -> Iterator[None]:

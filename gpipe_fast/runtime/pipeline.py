@@ -239,6 +239,7 @@ class Pipeline:
         share = self.side.share(
             input, target, request.chunks,
             needs_target=self.needs_target(target), counting=request.counting,
+            signature=request.signature,
         )  # fmt: skip
         check_items(request, share)
         if request.program == "train":

@@ -28,7 +28,9 @@ class StepRequest:
     split into, its checkpointing (a training step's) and its loss (none for "forward"):
     `reduction` weighs the micro-batches' losses by their rows ("mean") or adds them up
     ("sum"), unless `counting` says how to count the items they average over (then each
-    weighs its items' share), and `loss_scale` (a GradScaler's) scales their gradients."""
+    weighs its items' share), and `loss_scale` (a GradScaler's) scales their gradients.
+    `signature`: the input signature the step expects (an "auto" pipe's current choice's);
+    an input of another raises SignatureChanged before any task runs."""
 
     program: str
     chunks: int
@@ -37,6 +39,7 @@ class StepRequest:
     reduction: str = "mean"
     loss_scale: Tensor | None = None
     counting: Counting | None = None
+    signature: int | None = None
 
     def __post_init__(self) -> None:
         if self.program not in PROGRAMS:
@@ -71,8 +74,10 @@ class StepSide(Protocol):
         *,
         needs_target: bool,
         counting: Counting | None = None,
+        signature: int | None = None,
     ) -> BatchShare:
-        """This process's share of the step's batch (with `counting`, and its items)."""
+        """This process's share of the step's batch (with `counting`, and its items); with
+        `signature`, SignatureChanged when cell 0's input has another."""
 
     def running(self, *, backward: bool) -> AbstractContextManager[None]:
         """What this process's part of the step (run inside it) needs around it; a
