@@ -33,6 +33,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tune, "CHEAP_S", 0.0)
     monkeypatch.setattr(measure, "TIMED_STEPS", 2)
     monkeypatch.setattr(measure, "MIN_TIMED_S", 0.0)
+    monkeypatch.setattr(measure, "TURN_S", 0.0)
     monkeypatch.setattr(price, "PROFILE_WARMUP", 0)
     monkeypatch.setattr(price, "PROFILE_REPEATS", 1)
 
@@ -494,6 +495,34 @@ def test_small_steps_are_timed_for_about_min_timed_s(pipes: list[Any],
         assert measure.TIMED_STEPS < measurement.steps <= measure.MOST_TIMED_STEPS
         enough = measurement.steps * measurement.seconds >= 0.2 * 0.5
         assert enough or measurement.steps == measure.MOST_TIMED_STEPS
+
+
+def test_a_side_by_side_turn_runs_about_turn_s_of_steps_and_times_the_settled_half(
+    pipes: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Steps of a few milliseconds take several steps to settle after another pipe's: a turn
+    # of two steps ranked them as they start, not as a training loop runs them.
+    monkeypatch.setattr(measure, "TURN_S", 0.05)
+    assert measure.turn_steps(0.2) == measure.BLOCK
+    assert measure.turn_steps(0.005) == 10
+    ran: list[Any] = []
+
+    def timed(pipe: Any, step: Any, params: Any) -> float:
+        ran.append(pipe)
+        first_half = (len(ran) - 1) % 10 < 5  # unsettled: slow
+        return 1.0 if first_half else 0.001 * (1 + (pipe is pipes[1]))
+
+    monkeypatch.setattr(measure, "_timed", timed)
+    pipe = auto_pipe(net(), pipes)
+    other = auto_pipe(net(), pipes)
+    configs = [auto.Config(auto.Cut("gpipe", tuple(p.balance)), 1, "never") for p in pipes]
+    agreement = measure.Agreement(pipe.layout)
+    seconds = measure.side_by_side([pipe, other], configs, None, agreement, rounds=3, turn=10)
+    assert seconds == [0.001, 0.002]  # the latter half of each turn only
+    assert len(ran) == 2 * 3 * 10
+    turns = [ran[i : i + 10] for i in range(0, len(ran), 10)]
+    assert all(len(set(map(id, t))) == 1 for t in turns)  # one pipe's steps one after another
+    assert [t[0] is pipe for t in turns] == [True, False, False, True, True, False]
 
 
 def test_the_calibration_corrects_each_schedule_kind_it_measured(pipes: list[Any]) -> None:

@@ -19,7 +19,7 @@ ROWS = 8
 def _quick() -> None:
     """Few candidates and steps: the tests check behaviour, not the choice."""
     tune.MOST_MEASURED, tune.FIRST_MEASURED, tune.CHEAP_S = 3, 2, 0.0
-    measure.TIMED_STEPS, measure.MIN_TIMED_S = 2, 0.0
+    measure.TIMED_STEPS, measure.MIN_TIMED_S, measure.TURN_S = 2, 0.0, 0.0
     price.PROFILE_WARMUP, price.PROFILE_REPEATS = 0, 1
 
 

@@ -30,8 +30,13 @@ TIMED_STEPS = 5
 # candidates apart, and its median over five steps with it.
 MIN_TIMED_S = 0.3
 MOST_TIMED_STEPS = 40
-# Steps a side-by-side turn runs one after another (all but the first timed).
+# A side-by-side turn runs a candidate's steps one after another for about TURN_S (BLOCK
+# steps at least) and times the latter half, as a training loop runs them: the first steps
+# after another pipe's find its threads asleep and its caches cold. Steps of a few
+# milliseconds take several steps to settle (overhead-bound, on a 2-core host: 4-8 steps,
+# and two-step turns ranked one micro-batch first where, settled, two ran 15% faster).
 BLOCK = 2
+TURN_S = 0.05
 # Before the first candidate the pipe runs about WARM_UP_S of steps: a fresh process's first
 # steps run slower (its heap, the rings between the ranks, the caches growing), and so would
 # the first candidates measured seem (by 20-40% across processes on a 2-core host).
@@ -101,12 +106,17 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
     )
 
 
+def turn_steps(typical: float) -> int:
+    """The steps of a side-by-side turn for steps of about `typical` seconds (see TURN_S)."""
+    return max(BLOCK, math.ceil(TURN_S / max(typical, 1e-9)))
+
+
 def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable[[Any], Any],
-                 agreement: Agreement, rounds: int) -> list[float]:  # fmt: skip
+                 agreement: Agreement, rounds: int, turn: int = BLOCK) -> list[float]:  # fmt: skip
     """Each config's median step (the slowest rank's) over `rounds` rounds, in turn (the
-    order rotated each round), on its pipe (`pipes[i]`, already warm). Each turn runs
-    BLOCK steps one after another and times all but the first, as a training loop runs
-    them: the first step after another pipe's finds its threads asleep and its caches cold."""
+    order rotated each round), on its pipe (`pipes[i]`, already warm). Each turn runs `turn`
+    steps one after another (the same count on every rank: see turn_steps) and times the
+    latter half."""
     times: list[list[float]] = [[] for _ in configs]
     for index in range(rounds):
         shift = index % len(configs)
@@ -114,9 +124,9 @@ def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable
             pipe, config = pipes[which], configs[which]
             pipe.chunks, pipe.checkpoint = config.chunks, config.checkpoint
             params = list(pipe.parameters())
-            for block in range(BLOCK):
+            for block in range(turn):
                 seconds = _timed(pipe, step, params)
-                if block:
+                if block >= turn // 2:
                     times[which].append(seconds)
     for pipe in pipes:
         for param in pipe.parameters():

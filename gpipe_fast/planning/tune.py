@@ -61,9 +61,10 @@ CHEAP_S = 3.0
 MOST_CHEAP = 24
 # The measured candidates within CLOSE of the best (at most FINALISTS, the defaults among
 # them when measured within 2 * CLOSE) then run again side by side, in turn for FINAL_ROUNDS
-# rounds (more for small steps: about MIN_TIMED_S per candidate, MOST_FINAL_ROUNDS at most),
-# so that load that came and went between their measurements does not decide between them:
-# on a shared host a step's time drifts by 15% from one second to the next.
+# rounds (more for small steps: about MIN_TIMED_S of timed steps per candidate,
+# MOST_FINAL_ROUNDS at most; each turn a few settled steps, measure.turn_steps), so that load
+# that came and went between their measurements does not decide between them: on a shared
+# host a step's time drifts by 15% from one second to the next.
 CLOSE = 0.15
 FINALISTS = 4
 FINAL_ROUNDS = 3
@@ -128,11 +129,11 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
                     search.record(config, result, error)
             finalists: list[Config] = []
             if not built.exclusive:
-                finalists, rounds = agreement.decided(lambda: _source(search).finalists())
+                finalists, rounds, turn = agreement.decided(lambda: _source(search).finalists())
             if len(finalists) > 1:
                 progress.show(progress.total - 1, f"the best {len(finalists)} side by side")
                 pipes = [built.get(config.cut) for config in finalists]
-                times = side_by_side(pipes, finalists, step, agreement, rounds)
+                times = side_by_side(pipes, finalists, step, agreement, rounds, turn)
                 if search is not None:
                     search.settle(finalists, times)
             tuning = agreement.decided(
@@ -345,9 +346,9 @@ class _Search:
             row.measured_s = measured.seconds
             self.measured[config] = measured
 
-    def finalists(self) -> tuple[list[Config], int]:
-        """The measured candidates close to the best, fastest first (FINALISTS at most), and
-        the rounds they run side by side."""
+    def finalists(self) -> tuple[list[Config], int, int]:
+        """The measured candidates close to the best, fastest first (FINALISTS at most), the
+        rounds they run side by side and the steps of each turn."""
         ranked = sorted(self.measured, key=lambda c: self.measured[c].seconds)
         best = self.measured[ranked[0]].seconds if ranked else 0.0
         close = [c for c in ranked if self.measured[c].seconds <= best * (1 + CLOSE)]
@@ -356,8 +357,10 @@ class _Search:
         if defaults is not None and defaults.seconds <= best * (1 + 2 * CLOSE):
             if self.defaults not in close:  # in the last place, or one more
                 close[-1 if len(close) == FINALISTS else len(close) :] = [self.defaults]
-        wanted = math.ceil(measuring.MIN_TIMED_S / max(best, 1e-9))
-        return close, max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted))
+        turn = measuring.turn_steps(best)
+        timed = turn - turn // 2
+        wanted = math.ceil(measuring.MIN_TIMED_S / max(best * timed, 1e-9))
+        return close, max(FINAL_ROUNDS, min(MOST_FINAL_ROUNDS, wanted)), turn
 
     def settle(self, finalists: list[Config], seconds: list[float]) -> None:
         """The finalists' steps as they ran side by side."""
