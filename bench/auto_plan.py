@@ -5,9 +5,12 @@ ranks), a pipe built with schedule, chunks and checkpoint "auto" runs ``pipe.tun
 job's batch (timed: the tuning's cost). Then every candidate the tuning priced (every
 schedule kind with its cells, every balance or split points it tried, every micro-batch
 count and checkpoint mode whose predicted memory fits) is measured against the tuned pipe
-itself, in groups of pipes interleaved round by round, each turn running two train_steps
-of a pipe one after the other and timing the second, as a training loop runs them (order
-rotated; across processes each step starts at a barrier and takes the slower rank's time).
+itself, in groups of pipes interleaved round by round, each turn running a pipe's
+train_steps one after another for about 50 ms (two at least) and taking the median of the
+latter half, as a training loop runs them (order rotated; across processes each step starts
+at a barrier and takes the slower rank's time). Steps of a few milliseconds take several
+steps to settle after another pipe's: turns of two steps ranked them as they start, and
+favoured one micro-batch, which settles at once, by 15-25% over what wins settled.
 A config's time is the tuned pipe's median step times the median of its per-round ratios to
 the tuned pipe in the same round, so that load that comes and goes between groups cancels
 out. The sweep's four fastest are then measured again with the defaults (GPipe or
@@ -29,7 +32,7 @@ Workloads: compute-bound MLP (8 x Linear(1024) + ReLU, batch 256), overhead-boun
 (widths 16, 32, 64; batch 32 of 64 x 64). `--small` shrinks every one for a quick check.
 
     python bench/auto_plan.py [--workloads compute,overhead,llama,unet] [--processes 1,2]
-        [--rounds 5] [--group 8] [--block 2] [--confirm 4] [--most N] [--small]
+        [--rounds 5] [--group 8] [--block 2] [--turn-ms 50] [--confirm 4] [--most N] [--small]
         [--json out.json]
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -195,11 +199,15 @@ class Job:
         }
 
     def group(self, name: str, configs: list[dict[str, Any] | None], devices: list[str],
-              rounds: int, warmup: int, block: int) -> list[list[float]]:  # fmt: skip
+              rounds: int, warmup: int, block: int, turn_s: float,
+              ) -> list[list[float]]:  # fmt: skip
         """Per round, the time of a step of the tuned pipe (first) and of each config's pipe
-        (None: the defaults), interleaved, order rotated each round. Each turn runs `block`
-        steps one after another and times the last (as a training loop runs them: the first
-        step after another pipe's finds its threads asleep and its caches cold)."""
+        (None: the defaults), interleaved, order rotated each round. Each turn runs a pipe's
+        steps one after another for about `turn_s` (`block` steps at least; the count from
+        the warm-up rounds' slowest rank, the same on every rank) and takes the median of
+        the latter half, as a training loop runs them: the first steps after another pipe's
+        find its threads asleep and its caches cold, and steps of a few milliseconds take
+        several to settle."""
         import torch.distributed as dist
 
         workload = self.workloads[name]
@@ -213,17 +221,27 @@ class Job:
                     built.append(workload.of_config(self.world, config, devices))
             pipes += built
             times: list[list[float]] = [[] for _ in pipes]
+            last = [0.0] * len(pipes)
+            turns = [block] * len(pipes)
             for index in range(warmup + rounds):
+                if index == warmup > 0:  # the turns' lengths, from the warm-up's steps
+                    slowest = torch.tensor(last, dtype=torch.float64)
+                    if self.world > 1:
+                        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+                    turns = [max(block, math.ceil(turn_s / max(t, 1e-9)))
+                             for t in slowest.tolist()]  # fmt: skip
                 shift = index % len(pipes)
                 for which in [*range(shift, len(pipes)), *range(shift)]:
-                    for _ in range(block):
+                    steps = []
+                    for _ in range(turns[which]):
                         if self.world > 1:
                             dist.barrier()
                         start = time.perf_counter()
                         workload.step(pipes[which], self.rank, self.world)
-                        seconds = time.perf_counter() - start
+                        steps.append(time.perf_counter() - start)
+                    last[which] = steps[-1]
                     if index >= warmup:
-                        times[which].append(seconds)
+                        times[which].append(statistics.median(steps[len(steps) // 2 :]))
             return times
         finally:
             for pipe in built:
@@ -281,7 +299,8 @@ def run(name: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
         def ratios(part: list[dict[str, Any] | None], rounds: int) -> list[float]:
             """Each config's median ratio to the tuned pipe in the same round."""
             payload = {"name": name, "configs": part, "devices": tuned["devices"],
-                       "rounds": rounds, "warmup": args.warmup, "block": args.block}  # fmt: skip
+                       "rounds": rounds, "warmup": args.warmup, "block": args.block,
+                       "turn_s": args.turn_ms / 1e3}  # fmt: skip
             ranks = workers.ask(("group", payload), "group")
             # Each round's step: the slower rank's time.
             times = [[max(r) for r in zip(*(rank[i] for rank in ranks), strict=True)]
@@ -362,7 +381,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--group", type=int, default=8, help="pipes measured together")
     parser.add_argument("--block", type=int, default=2,
-                        help="steps a pipe runs per turn, the last timed")  # fmt: skip
+                        help="a turn's steps at least (the latter half timed)")  # fmt: skip
+    parser.add_argument("--turn-ms", type=float, default=50.0,
+                        help="a turn's steps last about this long")  # fmt: skip
     parser.add_argument("--confirm", type=int, default=4,
                         help="the sweep's fastest measured again, for 3x the rounds")  # fmt: skip
     parser.add_argument(
