@@ -249,14 +249,15 @@ class Job:
 
     def steady(self, name: str, steps: int) -> list[float]:
         """The tuned pipe's consecutive steps, as a training loop runs them (what its plan,
-        calibrated from such steps, predicts): each one's time on this rank."""
+        calibrated from such steps, predicts): each one's time on this rank, after as many
+        untimed (the first steps after the groups' pipes were closed ran 1.7x slower)."""
         workload, pipe = self.workloads[name], self.tuned[name]
         times = []
-        for _ in range(steps + 1):
+        for _ in range(2 * steps):
             start = time.perf_counter()
             workload.step(pipe, self.rank, self.world)
             times.append(time.perf_counter() - start)
-        return times[1:]
+        return times[steps:]
 
 
 def worker(rank: int, port: int, requests: Any, replies: Any, parent: int) -> None:
