@@ -14,6 +14,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
+from gpipe_fast.errors import SignatureChanged
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.nn.signature import input_signature
 
@@ -175,6 +176,19 @@ class AutoPipe:
         pipe._auto = self
         if self.tuned.chunks:
             pipe.chunks = max(1, len(pipe.balance))
+
+    def train_step(self, pipe: GPipe, run: Callable[[int | None], Any], input: Value | None,
+                   target: Any, loss_fn: Any, reduction: str) -> Any:  # fmt: skip
+        """`run(signature)`, one train_step of `pipe` on its cells as they are then: tunes
+        at the first step (it may rebuild the cells); a later step checks its input's
+        signature against the current choice's in the step's own agreement, and one of
+        another stops before any task ran and runs again on that signature's choice."""
+        expected = self.before_step(pipe, input, target, loss_fn, reduction)
+        try:
+            return run(expected)
+        except SignatureChanged as changed:
+            self.at_signature(pipe, changed.signature, input, target, loss_fn, reduction)
+            return run(None)
 
     def before_step(self, pipe: GPipe, input: Value | None, target: Any, loss_fn: Any,
                     reduction: str) -> int | None:  # fmt: skip

@@ -19,7 +19,6 @@ from gpipe_fast.api.pipe_reports import PipeReports
 from gpipe_fast.api.step_loss import identity_loss, identity_train_step, loss_reduction
 from gpipe_fast.arguments import check_loss_arguments, check_timeout
 from gpipe_fast.distributed import beside
-from gpipe_fast.errors import SignatureChanged
 from gpipe_fast.nn.items import Counting, ItemMean
 from gpipe_fast.nn.materialize import InitFn
 from gpipe_fast.nn.microbatch import Value, as_tensors
@@ -265,42 +264,25 @@ class GPipe(PipeReports, PipeModule):
         if pipeline is None:  # no cells: the loss of the input itself
             return identity_train_step(input, target, loss_fn, counting)
         self._check_initialised()
+
+        def run(signature: int | None) -> torch.Tensor:
+            """The step on the cells as they are now (see StepRequest's `signature`)."""
+            pipeline = cast(Pipeline, self._pipeline)  # an "auto" pipe's may be rebuilt
+            loss_scale = None
+            if grad_scaler is not None and grad_scaler.is_enabled():
+                # Every rank asks, so that every rank's scaler is ready to unscale_.
+                device = pipeline.devices[pipeline.layout.local_stages[-1]]
+                loss_scale = grad_scaler.scale(torch.ones((), device=device))
+            train = StepRequest(
+                "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
+                reduction, loss_scale, counting, signature,
+            )  # fmt: skip
+            return cast(torch.Tensor, pipeline.run(train, input, target))
+
         if self._auto is None:
-            return self._run_train_step(input, target, loss_fn, reduction, counting, grad_scaler)
-        # Tunes at the first step (it may rebuild the cells); later steps check their input's
-        # signature against the current choice's in the step's own agreement.
-        expected = self._auto.before_step(self, input, target, loss_fn, reduction)
-        try:
-            return self._run_train_step(
-                input, target, loss_fn, reduction, counting, grad_scaler, expected
-            )
-        except SignatureChanged as changed:  # before any task: nothing ran
-            self._auto.at_signature(self, changed.signature, input, target, loss_fn, reduction)
-            return self._run_train_step(input, target, loss_fn, reduction, counting, grad_scaler)
-
-    def _run_train_step(
-        self,
-        input: Value,
-        target: Any,
-        loss_fn: LossFn,
-        reduction: str,
-        counting: Counting | None,
-        grad_scaler: torch.amp.GradScaler | None,
-        signature: int | None = None,
-    ) -> torch.Tensor:
-        """train_step's run on the pipe's cells as they are now (see StepRequest)."""
-        pipeline = cast(Pipeline, self._pipeline)
-        loss_scale = None
-        if grad_scaler is not None and grad_scaler.is_enabled():
-            # Every rank asks, so that every rank's scaler is ready to unscale_.
-            device = pipeline.devices[pipeline.layout.local_stages[-1]]
-            loss_scale = grad_scaler.scale(torch.ones((), device=device))
-
-        train = StepRequest(
-            "train", self.chunks, self.checkpoint if self.training else "never", loss_fn,
-            reduction, loss_scale, counting, signature,
-        )  # fmt: skip
-        return cast(torch.Tensor, pipeline.run(train, input, target))
+            return run(None)
+        return cast(torch.Tensor, self._auto.train_step(self, run, input, target, loss_fn,
+                                                        reduction))  # fmt: skip
 
     def tune(
         self,
