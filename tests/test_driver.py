@@ -150,6 +150,14 @@ def test_a_missing_argument_is_refused_after_telling_the_peers(
     assert [str(e) for e in reported] == [message]
 
 
+def test_a_refusing_rank_still_sends_a_signature_when_one_is_expected() -> None:
+    # Over the process group its message must be as long as its peers' (a sum of tensors).
+    groups = FakeGroups(fails=PeerFailure("a peer refused"))
+    with pytest.raises(ValueError, match="input: rank 0 runs cell 0"):
+        _share(0, groups, None, None, 2, needs_target=False, signature=7)
+    assert groups.calls == [(None, True, None)] and groups.signatures == [0]
+
+
 def test_over_the_rings_a_refusal_is_raised_at_once() -> None:
     # Its rings close instead: the peers' waits end without an agreement.
     groups = FakeGroups(rings=True)

@@ -66,3 +66,9 @@ def test_a_pp_by_dp_mesh_tunes_as_one(four: Cluster) -> None:
     assert len({tuple(reply["seconds"]) for reply in replies}) == 1
     for reply in replies:
         assert reply["error"] < 1e-12
+
+
+def test_a_step_refused_after_the_tuning_fails_on_every_rank(two: Cluster) -> None:
+    replies = values(two.run(f"{CASES}.refused_after_tuning", timeout_s=300.0))
+    assert replies[0]["error"] == "ValueError" and "input: rank 0" in replies[0]["message"]
+    assert replies[1]["error"] == "PeerFailure"

@@ -221,3 +221,25 @@ def mesh_agrees(rank: int, world: int) -> dict[str, Any]:
         return {**_report(pipe), "error": _against_plain(pipe, plain, loss, want)}
     finally:
         pipe.close()
+
+
+def refused_after_tuning(rank: int, world: int) -> dict[str, Any]:
+    """Over gloo (no rings), a step that cell 0's rank refuses after the tuning (no input)
+    fails on every rank with its cause, none waiting: the refusing rank's agreement message
+    carries a signature too, as long as its peers'."""
+    _quick()
+    x, y = data(8)
+    os.environ["GPIPE_FAST_TRANSPORT"] = "gloo"
+    pipe = gf.GPipe(uneven(), schedule="auto", chunks="auto", checkpoint="auto",
+                    pp_group=dist.group.WORLD)  # fmt: skip
+    try:
+        pipe.train_step(_mine(rank, world, x, False), _mine(rank, world, y, True),
+                        nn.functional.mse_loss)  # fmt: skip
+        try:
+            pipe.train_step(None, _mine(rank, world, y, True), nn.functional.mse_loss)
+        except Exception as error:  # the test reads which error
+            return {"error": type(error).__name__, "message": str(error)[:200]}
+        return {"error": None, "message": ""}
+    finally:
+        os.environ.pop("GPIPE_FAST_TRANSPORT")
+        pipe.close()

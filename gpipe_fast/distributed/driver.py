@@ -67,7 +67,9 @@ def rank_share(
     # A bad argument or a rank that cannot run is every rank's failed step, with its cause,
     # not a wait until the timeout (or the end of the refusing rank's process).
     refusal: BaseException | None = None
-    local_signature: int | None = None
+    # Every rank sends a signature when one is expected (a refusing one too, so that the
+    # messages match): cell 0's rank its input's, the others 0.
+    local_signature = None if signature is None else 0
     given: tuple[Tensor, ...] = ()
     microbatches: list[Value] = []
     counted: list[int] | None = None
@@ -80,8 +82,8 @@ def rank_share(
             raise ValueError(f"target: rank {layout.pp_index} runs the last cell and needs it")
         given = as_tensors(input, "input") if first else ()
         size = batch_size(given, "input") if first else None
-        if signature is not None:
-            local_signature = input_signature(given) if first else 0
+        if signature is not None and first:
+            local_signature = input_signature(given)
         if counting is not None:
             counted = _count_here(counting, input, target, chunks, first=first, last=last)
     except BaseException as error:
