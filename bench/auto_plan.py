@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -210,6 +209,8 @@ class Job:
         several to settle."""
         import torch.distributed as dist
 
+        from gpipe_fast.planning.measure import turn_steps
+
         workload = self.workloads[name]
         pipes = [self.tuned[name]]
         built = []
@@ -228,8 +229,7 @@ class Job:
                     slowest = torch.tensor(last, dtype=torch.float64)
                     if self.world > 1:
                         dist.all_reduce(slowest, dist.ReduceOp.MAX)
-                    turns = [max(block, math.ceil(turn_s / max(t, 1e-9)))
-                             for t in slowest.tolist()]  # fmt: skip
+                    turns = [turn_steps(t, turn_s, block) for t in slowest.tolist()]
                 shift = index % len(pipes)
                 for which in [*range(shift, len(pipes)), *range(shift)]:
                     steps = []

@@ -106,9 +106,11 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
     )
 
 
-def turn_steps(typical: float) -> int:
-    """The steps of a side-by-side turn for steps of about `typical` seconds (see TURN_S)."""
-    return max(BLOCK, math.ceil(TURN_S / max(typical, 1e-9)))
+def turn_steps(typical: float, turn_s: float | None = None, least: int = BLOCK) -> int:
+    """The steps of a side-by-side turn for steps of about `typical` seconds: about `turn_s`
+    of them (None: TURN_S), `least` at least."""
+    turn_s = TURN_S if turn_s is None else turn_s
+    return max(least, math.ceil(turn_s / max(typical, 1e-9)))
 
 
 def side_by_side(pipes: Sequence[Any], configs: Sequence[Config], step: Callable[[Any], Any],
