@@ -3,13 +3,17 @@
 Each worker runs `dist_cases.<name>(rank, world, **kwargs)` (`<module>.<name>` names another
 module of tests/) on request and replies with plain Python data (or the error's type, message
 and traceback). Every wait on a reply is bounded, so a hang fails the test instead of the run;
-a worker that dies is seen within a second.
+a worker that dies is seen within a second, named with its exit code (a signal by name) and
+the end of its log (fatal signals' tracebacks, C++ aborts' messages), and the next case starts
+a fresh set of workers, so that one death fails one test rather than the module's rest.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -35,7 +39,33 @@ class Reply:
         return self.error_type is not None
 
 
-def _serve(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
+def _tail(path: str, size: int = 4000) -> str:
+    """The last `size` characters of a worker's log."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError as error:
+        return f"(no log: {error})"
+    return text[-size:] if text else "(empty)"
+
+
+def _serve(
+    rank: int, world: int, log_path: str, store_path: str, requests: Any, replies: Any
+) -> None:
+    # The worker's stderr is its log, which a failed run quotes: what a dying worker says (a
+    # fatal signal's traceback of every thread, a C++ abort's message, an uncaught error) would
+    # otherwise land in whatever test pytest was capturing when the fork server started.
+    log = open(log_path, "a", buffering=1)  # open for the worker's life
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
+    try:
+        _serve_requests(rank, world, store_path, requests, replies)
+    except BaseException:
+        log.write(traceback.format_exc())
+        raise
+
+
+def _serve_requests(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # Every multi-process test runs with poisoned rings: a byte a ring handed out, and a
@@ -91,13 +121,22 @@ class Cluster:
         self.world = world
         self.folder = tempfile.mkdtemp(prefix="gpipe-cluster-")
         self.resets = 0
+        self.starts = 0  # sets of workers started: a death or a hang replaces the set
+        self.broken = False
+        self._start()
+
+    def _start(self) -> None:
         # Forked from a server that imported torch, gpipe_fast and the cases once for the
         # session (its imports only: no thread, no process group), rather than spawned: a
         # spawned worker spent seconds on those imports, per worker and per test module.
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
-        self.requests = [context.Queue() for _ in range(world)]
+        self.starts += 1
+        self.logs = [os.path.join(self.folder, f"start{self.starts}-rank{r}.log")
+                     for r in range(self.world)]  # fmt: skip
+        self.requests = [context.Queue() for _ in range(self.world)]
         self.replies = context.Queue()
+        store = os.path.join(self.folder, f"start{self.starts}-store0")
         tests = os.path.dirname(os.path.abspath(__file__))
         previous = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = tests + (os.pathsep + previous if previous else "")
@@ -105,16 +144,10 @@ class Cluster:
             self.processes = [
                 context.Process(
                     target=_serve,
-                    args=(
-                        r,
-                        world,
-                        os.path.join(self.folder, "store0"),
-                        self.requests[r],
-                        self.replies,
-                    ),
+                    args=(r, self.world, self.logs[r], store, self.requests[r], self.replies),
                     daemon=True,
                 )
-                for r in range(world)
+                for r in range(self.world)
             ]
             for process in self.processes:
                 process.start()
@@ -123,10 +156,21 @@ class Cluster:
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = previous
+        self.broken = False
+
+    def _restart(self) -> None:
+        """A fresh set of workers in place of one a death or a hang broke."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+        self._start()
 
     def run(self, name: str, timeout_s: float = REPLY_TIMEOUT_S, **kwargs: Any) -> list[Reply]:
         """Runs the case on every worker; replies in rank order. Raises AssertionError when
-        a worker dies or does not reply within `timeout_s`."""
+        a worker dies or does not reply within `timeout_s`; the next run starts fresh workers."""
+        if self.broken or not all(p.is_alive() for p in self.processes):
+            self._restart()
         for q in self.requests:
             q.put((name, kwargs))
         return self._collect(name, timeout_s)
@@ -143,12 +187,33 @@ class Cluster:
             except queue.Empty:
                 pass
             dead = [r for r in expect - set(replies) if not self.processes[r].is_alive()]
-            assert not dead, f"{name}: worker(s) {dead} died without replying"
-            assert time.monotonic() < deadline, (
-                f"{name}: no reply from rank(s) {sorted(expect - set(replies))} "
-                f"within {timeout_s} s (a hang)"
-            )
+            if dead:
+                self.broken = True
+                raise AssertionError(
+                    f"{name}: worker(s) {dead} died without replying\n" + self._deaths(dead)
+                )
+            if time.monotonic() >= deadline:
+                self.broken = True
+                late = sorted(expect - set(replies))
+                raise AssertionError(
+                    f"{name}: no reply from rank(s) {late} within {timeout_s} s (a hang)\n"
+                    + self._deaths(late)
+                )
         return [replies[r] for r in sorted(replies)]
+
+    def _deaths(self, ranks: list[int]) -> str:
+        """Each rank's exit code (a signal by name) and the end of its log."""
+        parts = []
+        for r in ranks:
+            code = self.processes[r].exitcode
+            if code is None:
+                how = "still running"
+            elif code < 0:
+                how = f"killed by {signal.Signals(-code).name}"
+            else:
+                how = f"exit code {code}"
+            parts.append(f"--- rank {r}: {how}; the end of its log ---\n{_tail(self.logs[r])}")
+        return "\n".join(parts)
 
     def collect_survivors(self, name: str, survivors: set[int], timeout_s: float) -> list[Reply]:
         """The replies of `survivors` after others were killed on purpose."""
