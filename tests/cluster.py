@@ -58,6 +58,9 @@ def _serve(
     log = open(log_path, "a", buffering=1)  # open for the worker's life
     os.dup2(log.fileno(), 2)
     faulthandler.enable(file=log, all_threads=True)
+    # Ctrl-C raises KeyboardInterrupt, as in a user's process, even where the suite was started
+    # as a shell's background job (`pytest &` ignores SIGINT, and so would its workers).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         _serve_requests(rank, world, store_path, requests, replies)
     except BaseException:
