@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -590,3 +591,29 @@ def test_the_pipe_warms_up_before_the_first_candidate_and_the_defaults_run_in_th
     tuning = auto_pipe(net(), pipes).tune(x, y, loss_fn, progress=False)
     assert defaults in [c.config for c in tuning.measured]
     assert all(defaults not in final for final in finals)
+
+
+@pytest.mark.parametrize(("slower", "kept"), [(1.02, True), (1.05, False)])
+def test_the_defaults_stay_unless_the_pick_ran_more_than_tie_faster_beside_them(
+    pipes: list[Any], monkeypatch: pytest.MonkeyPatch, slower: float, kept: bool
+) -> None:
+    # Side by side in the final, the defaults 2% slower than the fastest: a gain within what
+    # a host's drift makes of a step, so the pipe runs as it would without "auto"; 5%: the
+    # fastest is picked.
+    monkeypatch.setattr(tune, "MOST_MEASURED", 4)
+    monkeypatch.setattr(tune, "CLOSE", 10.0)  # every measured candidate is close
+    monkeypatch.setattr(tune, "FINALISTS", 2)
+    pipe = auto_pipe(net(), pipes)
+    defaults = auto.Config(auto.Cut("gpipe", tuple(pipe.balance)), 1, "except_last")
+
+    def side_by_side(p: Any, configs: list[Any], *a: Any) -> list[float]:
+        assert defaults in configs and len(configs) == 2
+        return [0.001 * slower if c == defaults else 0.001 for c in configs]
+
+    monkeypatch.setattr(tune, "side_by_side", side_by_side)
+    tuning = pipe.tune(*batch(), loss_fn, progress=False)
+    fastest = min(tuning.measured, key=lambda c: c.measured_s or math.inf)
+    assert fastest.config != defaults
+    assert (tuning.choice == defaults) is kept
+    assert any("kept the defaults" in note for note in tuning.notes) is kept
+    assert (pipe.chunks, pipe.checkpoint) == (tuning.choice.chunks, tuning.choice.checkpoint)

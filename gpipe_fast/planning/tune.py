@@ -69,6 +69,12 @@ CLOSE = 0.15
 FINALISTS = 4
 FINAL_ROUNDS = 3
 MOST_FINAL_ROUNDS = 15
+# The defaults stay when they ran in the final within TIE of the fastest: "auto" changes the
+# pipe only for a configuration measured faster than what it would run without "auto" (on a
+# 2-core host, steps of a few milliseconds drift by more than that between seconds, and the
+# pick among configurations within 1-3% of each other was the noise's: the bench then timed
+# the defaults 6% faster than such a pick).
+TIE = 0.03
 
 
 def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: TuneOptions,
@@ -308,6 +314,7 @@ class _Search:
             self.notes.append("across processes the cells stayed on their ranks")
         self.rows = {p.config: _row(p) for p in self.ranked}
         self.measured: dict[Config, Measurement] = {}
+        self.settled: set[Config] = set()  # the finalists, measured side by side
         self.fit: Fit | None = None
 
     def next(self, elapsed: float, budget_s: float | None) -> Config | None:
@@ -364,6 +371,7 @@ class _Search:
 
     def settle(self, finalists: list[Config], seconds: list[float]) -> None:
         """The finalists' steps as they ran side by side."""
+        self.settled = set(finalists)
         for config, value in zip(finalists, seconds, strict=True):
             self.measured[config] = dataclasses.replace(self.measured[config], seconds=value)
             self.rows[config].measured_s = value
@@ -372,10 +380,7 @@ class _Search:
         if not self.measured:  # the first candidate's error: the step's own, likely
             assert self.first_error is not None
             raise self.first_error
-        choice = min(
-            self.measured,
-            key=lambda c: (self.measured[c].seconds, self.rows[c].predicted_s or math.inf),
-        )
+        choice = self._fastest_or_defaults()
         plan = None
         if self.priced:
             self.fit = self._fit()
@@ -388,6 +393,25 @@ class _Search:
         return Tuning(choice=choice, candidates=list(self.rows.values()), plan=plan,
                       seconds=seconds, signature=key, fit=self.fit,
                       measured_steps=measuring.TIMED_STEPS, notes=self.notes)  # fmt: skip
+
+    def _fastest_or_defaults(self) -> Config:
+        """The fastest measured, unless the defaults ran beside it within TIE of it."""
+        fastest = min(
+            self.measured,
+            key=lambda c: (self.measured[c].seconds, self.rows[c].predicted_s or math.inf),
+        )
+        ran_beside = {fastest, self.defaults} <= self.settled
+        if fastest == self.defaults or not ran_beside:
+            return fastest
+        best, defaults = self.measured[fastest].seconds, self.measured[self.defaults].seconds
+        if defaults > best * (1 + TIE):
+            return fastest
+        self.notes.append(
+            f"kept the defaults ({defaults * 1e3:.3g} ms a step side by side): {fastest} "
+            f"ran {(1 - best / defaults) * 100:.1f}% faster ({best * 1e3:.3g} ms), within "
+            f"the {TIE:.0%} a pick must gain"
+        )
+        return self.defaults
 
     def _fit(self) -> Fit:
         samples = [
