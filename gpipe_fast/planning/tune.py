@@ -27,12 +27,12 @@ from gpipe_fast.api.auto import (
     current_cut,
     install_tuner,
 )
-from gpipe_fast.api.relayout import layer_ranks, move_layers
 from gpipe_fast.balancing.balance import balance_by_params
 from gpipe_fast.nn.batchnorm import batch_statistics_layers
 from gpipe_fast.nn.microbatch import Value, as_tensors, batch_size
 from gpipe_fast.planning import measure as measuring
 from gpipe_fast.planning.agree import Agreement
+from gpipe_fast.planning.built import Built, adopt
 from gpipe_fast.planning.measure import Measurement, measure, side_by_side
 from gpipe_fast.planning.price import (
     Priced,
@@ -46,7 +46,6 @@ from gpipe_fast.planning.price import (
 from gpipe_fast.planning.progress import Progress
 from gpipe_fast.planning.tuning import Fit, TunedCandidate, Tuning
 from gpipe_fast.planning.untouched import untouched
-from gpipe_fast.schedule.registry import placement
 
 # Candidates run at most; the first few by gf.plan's own ranking (each of another cut or
 # micro-batch count), then the pipe's defaults (what it runs without "auto"), the others only
@@ -99,7 +98,7 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
     )
     progress = Progress(MOST_MEASURED, options.progress and agreement.shows_progress)
     inputs = list(as_tensors(input, "input")) if input is not None else []
-    built = _Built(builder, pipe)
+    built = Built(builder, pipe)
     started = time.perf_counter()
     search: _Search | None = None
 
@@ -147,13 +146,13 @@ def tune(pipe: Any, input: Value | None, target: Any, loss_fn: Any, options: Tun
             )
         finally:
             built.close()
-    _adopt(pipe, builder, tuning.choice.cut, before, moves, built.moved_layers)
+    adopt(pipe, builder, tuning.choice.cut, before, moves, built.moved_layers)
     tuning.seconds = time.perf_counter() - started
     progress.close(f"chose {tuning.choice}")
     return tuning
 
 
-def _measured(built: _Built, config: Config, step: Any, agreement: Agreement
+def _measured(built: Built, config: Config, step: Any, agreement: Agreement
               ) -> tuple[Measurement | None, BaseException | None]:  # fmt: skip
     """The candidate measured, or why it could not run (in one process only: across
     processes a failed step fails the tuning on every rank)."""
@@ -226,54 +225,6 @@ def _budget(pipe: Any, options: TuneOptions) -> int | None:
     if not cuda:
         return None
     return min(int(torch.cuda.get_device_properties(d).total_memory) for d in cuda)
-
-
-class _Built:
-    """The pipes the candidates run on: the tuned pipe for its own cut, one built per
-    other cut (kept until the end; on several GPUs one at a time, since building one
-    places the shared layers on its devices)."""
-
-    def __init__(self, builder: Builder, pipe: Any) -> None:
-        self.builder = builder
-        self.pipe = pipe
-        self.cut = current_cut(pipe)
-        cuda = {d for d in pipe.devices if d.type == "cuda"}
-        self.exclusive = len(cuda) > 1
-        self.moved_layers = False  # another cut placed the layers (several GPUs)
-        self.pipes: dict[Cut, Any] = {}
-
-    def get(self, cut: Cut) -> Any:
-        if cut == self.cut and not self.moved_layers:
-            return self.pipe
-        if cut not in self.pipes:
-            if self.exclusive:
-                self.close()
-                self.moved_layers = True
-            self.pipes[cut] = self.builder.build(cut)
-        return self.pipes[cut]
-
-    def close(self) -> None:
-        for pipe in self.pipes.values():
-            pipe.close()
-        self.pipes.clear()
-
-
-def _adopt(pipe: Any, builder: Builder, chosen: Cut, before: Cut, moves: bool,
-           rebuild: bool) -> None:  # fmt: skip
-    """The pipe rebuilt with the chosen cut when it is another (or when the layers were
-    placed elsewhere meanwhile); across processes, moved layers handed to their new ranks
-    first."""
-    if chosen == before and not rebuild:
-        return
-    processes = pipe.layout
-    if moves and (chosen.balance != before.balance or chosen.schedule != before.schedule):
-        ranks = processes.pp_ranks
-        cells = range(processes.stages)
-        old = layer_ranks(before.balance, [processes.global_rank(k) for k in cells])
-        places = placement(chosen.schedule, len(chosen.balance), processes.pp_size)
-        new = layer_ranks(chosen.balance, [ranks[p] for p in places])
-        move_layers(builder.model, old, new, processes.pp_group)
-    builder.rebuild(pipe, chosen)
 
 
 class _Search:
