@@ -53,22 +53,15 @@ def _serve(
     rank: int, world: int, log_path: str, store_path: str, requests: Any, replies: Any
 ) -> None:
     # The worker's stderr is its log, which a failed run quotes: what a dying worker says (a
-    # fatal signal's traceback of every thread, a C++ abort's message, an uncaught error) would
-    # otherwise land in whatever test pytest was capturing when the fork server started.
+    # fatal signal's traceback of every thread, a C++ abort's message, the traceback that
+    # multiprocessing prints of an uncaught error) would otherwise land in whatever test
+    # pytest was capturing when the fork server started.
     log = open(log_path, "a", buffering=1)  # open for the worker's life
     os.dup2(log.fileno(), 2)
     faulthandler.enable(file=log, all_threads=True)
     # Ctrl-C raises KeyboardInterrupt, as in a user's process, even where the suite was started
     # as a shell's background job (`pytest &` ignores SIGINT, and so would its workers).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _serve_requests(rank, world, store_path, requests, replies)
-    except BaseException:
-        log.write(traceback.format_exc())
-        raise
-
-
-def _serve_requests(rank: int, world: int, store_path: str, requests: Any, replies: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     # Every multi-process test runs with poisoned rings: a byte a ring handed out, and a
@@ -125,7 +118,6 @@ class Cluster:
         self.folder = tempfile.mkdtemp(prefix="gpipe-cluster-")
         self.resets = 0
         self.starts = 0  # sets of workers started: a death or a hang replaces the set
-        self.broken = False
         self._start()
 
     def _start(self) -> None:
