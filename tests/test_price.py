@@ -70,3 +70,21 @@ def test_a_calibrated_prediction_scales_the_profile(pipe: Any) -> None:
     fit = Fit(1.0, 1.0, 0.5, by_kind={"gpipe": 0.8, "1f1b": 3.0})
     plain = pricing.calibrated(config, Fit(1.0, 1.0, 0.5))
     assert pricing.calibrated(config, fit) == pytest.approx(0.8 * plain)
+
+
+def test_the_measured_plan_shows_the_step_as_it_was_timed(pipe: Any) -> None:
+    sample = torch.randn(8, 4)
+    pricing = price.Pricing(pipe, pipe._auto.builder, sample, 2)
+    config = Config(Cut("1f1b", (4, 4)), 2, "never")
+    costs = [StageCosts(0.010, 0.020), StageCosts(0.012, 0.024)]
+    plain = pricing.measured_plan(config, costs, 0.0, 0.001)
+    # Timed longer than the tasks simulate: the plan keeps its costs (the rest is the
+    # handoff's and the call's, which the measurement solved for).
+    assert pricing.measured_plan(config, costs, 0.0, 0.001, plain.step_time * 1.2).step_time == (
+        pytest.approx(plain.step_time))  # fmt: skip
+    # Timed shorter (the tasks overlapped more than their order lets the simulator overlap
+    # them): the costs scale so that the plan's step is the one timed, the call kept.
+    shorter = pricing.measured_plan(config, costs, 0.0, 0.001, plain.step_time * 0.8)
+    assert shorter.step_time == pytest.approx(plain.step_time * 0.8)
+    assert shorter.call_overhead == pytest.approx(0.001)
+    assert shorter.bubble == pytest.approx(plain.bubble)

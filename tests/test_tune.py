@@ -253,6 +253,8 @@ def test_the_report_lists_every_candidate_and_the_choice(pipes: list[Any]) -> No
     assert (plan.schedule, plan.chunks, plan.checkpoint) == (
         tuning.choice.cut.schedule, tuning.choice.chunks, tuning.choice.checkpoint)  # fmt: skip
     assert plan.balance == list(tuning.choice.cut.balance)
+    # Its step is the choice's as the tuning timed it (not its slower recorded steps').
+    assert plan.step_time == pytest.approx(tuning.chosen.measured_s, rel=1e-3)
     assert tuning.fit is not None and tuning.fit.scale > 0
     assert tuning.seconds > 0 and tuning.measured_steps == measure.TIMED_STEPS
     text = str(tuning)

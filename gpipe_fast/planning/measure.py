@@ -6,6 +6,7 @@ often, so that a candidate is timed for about MIN_TIMED_S whatever its step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -65,6 +66,16 @@ class Measurement:
                      for c in costs]  # fmt: skip
         return solve_handoff(schedule, costs, self.makespan)
 
+    def timed_at(self, seconds: float) -> Measurement:
+        """This measurement with its step timed at `seconds`. Where the recorded steps'
+        makespan is longer (recording costs a little per task, and the first timed steps
+        had not yet settled: 404 against 360 ms, a LLaMA in one process), their task costs
+        are scaled down to it, so that gf.plan's calibration and the chosen plan add up to
+        the step as it was timed rather than to the slower recorded ones."""
+        scale = min(1.0, seconds / self.makespan) if self.makespan > 0 else 1.0
+        return dataclasses.replace(self, seconds=seconds, makespan=self.makespan * scale,
+                                   costs=[c.scaled(scale) for c in self.costs])  # fmt: skip
+
     @property
     def call(self) -> float:
         """Seconds of a step outside the recorded tasks (splitting, the loss's agreement)."""
@@ -98,12 +109,13 @@ def measure(pipe: Any, config: Config, step: Callable[[Any], Any], agreement: Ag
     found: dict[int, StageCosts] = {}
     for part in agreement.gathered(local):
         found.update(part)
-    return Measurement(
+    recorded = Measurement(
         seconds=agreement.slowest(statistics.median(times)),
         costs=[found[cell] for cell in range(len(config.cut.balance))],
         makespan=agreement.slowest(statistics.median(t.makespan for t in timelines)),
         steps=len(times),
     )
+    return recorded.timed_at(recorded.seconds)
 
 
 def turn_steps(typical: float, turn_s: float | None = None, least: int = BLOCK) -> int:

@@ -24,6 +24,13 @@ class StageCosts:
     # The forward of a checkpointed micro-batch, which keeps no graph (None: as `forward`).
     forward_no_grad: float | None = None
 
+    def scaled(self, factor: float) -> StageCosts:
+        """These costs times `factor`."""
+        no_grad = None if self.forward_no_grad is None else self.forward_no_grad * factor
+        return StageCosts(self.forward * factor, self.backward * factor,
+                          self.backward_input * factor, self.backward_weight * factor,
+                          self.loss * factor, no_grad)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Prediction:

@@ -182,12 +182,22 @@ class Pricing:
         return predict(schedule, scaled, fit.handoff).step_time + fit.call
 
     def measured_plan(self, config: Config, costs: Sequence[StageCosts], handoff: float,
-                      call: float) -> Plan:  # fmt: skip
-        """`config`'s plan with its cells' costs as they were measured (its own steps)."""
+                      call: float, seconds: float | None = None) -> Plan:  # fmt: skip
+        """`config`'s plan with its cells' costs as they were measured (its own steps).
+        `seconds`: its step as timed. Where its tasks, simulated in the schedule's order with
+        nothing between them, already take longer (they overlapped in the run more than the
+        order lets them: two cells sharing one host's cores), their costs are scaled to it,
+        so that the plan shows the step as it ran."""
         cut = config.cut
         candidate = Candidate(config.chunks, config.checkpoint, cut.schedule)
-        return plan_with_costs(self.planner(cut), list(cut.balance), candidate,
-                               costs, handoff, call)  # fmt: skip
+        planner = self.planner(cut)
+        plan = plan_with_costs(planner, list(cut.balance), candidate, costs, handoff, call)
+        if seconds is None or handoff > 0 or plan.step_time <= seconds or seconds <= call:
+            return plan
+        # No handoff: the simulated makespan is linear in the costs.
+        scale = (seconds - call) / (plan.step_time - call)
+        return plan_with_costs(planner, list(cut.balance), candidate,
+                               [c.scaled(scale) for c in costs], handoff, call)  # fmt: skip
 
 
 @dataclass

@@ -324,7 +324,7 @@ class _Search:
         """The finalists' steps as they ran side by side."""
         self.settled = set(finalists)
         for config, value in zip(finalists, seconds, strict=True):
-            self.measured[config] = dataclasses.replace(self.measured[config], seconds=value)
+            self.measured[config] = self.measured[config].timed_at(value)
             self.rows[config].measured_s = value
 
     def result(self, key: int, seconds: float) -> Tuning:
@@ -338,8 +338,9 @@ class _Search:
             for config, row in self.rows.items():
                 row.calibrated_s = self.pricing.calibrated(config, self.fit)
             measured = self.measured[choice]
+            handoff = measured.handoff(choice, self.workers)
             plan = self.pricing.measured_plan(
-                choice, measured.costs, measured.handoff(choice, self.workers), measured.call
+                choice, measured.costs, handoff, measured.call, measured.seconds
             )
         return Tuning(choice=choice, candidates=list(self.rows.values()), plan=plan,
                       seconds=seconds, signature=key, fit=self.fit,
