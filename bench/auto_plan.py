@@ -288,10 +288,14 @@ def run(name: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     try:
         tuned = workers.ask(("tune", name), "tune")[0]
         print(tuned["text"])
-        steady = {"name": name, "steps": 4 * args.rounds}
-        # As a user's training goes on from the tuning: its plan's check.
-        ranks = workers.ask(("steady", steady), "steady")
-        steady_s = statistics.median(max(step) for step in zip(*ranks, strict=True))
+
+        def steady() -> float:
+            """The tuned pipe's median consecutive step (each the slower rank's)."""
+            payload = {"name": name, "steps": 4 * args.rounds}
+            ranks = workers.ask(("steady", payload), "steady")
+            return statistics.median(max(step) for step in zip(*ranks, strict=True))
+
+        steady_s = steady()  # as a user's training goes on from the tuning: the plan's check
         configs: list[dict[str, Any] | None] = [
             {k: c[k] for k in ("schedule", "balance", "split_points", "chunks", "checkpoint")}
             for c in tuned["candidates"]
@@ -325,8 +329,7 @@ def run(name: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
         # the best is confirmed.
         top = sorted(range(len(swept)), key=swept.__getitem__)[: args.confirm]
         *confirmed, defaults_ratio = ratios([configs[i] for i in top] + [None], 3 * args.rounds)
-        ranks = workers.ask(("steady", steady), "steady")
-        later_s = statistics.median(max(step) for step in zip(*ranks, strict=True))
+        later_s = steady()
     finally:
         workers.stop()
     auto_s = statistics.median(reference)

@@ -193,11 +193,7 @@ def fitted_plan(
     per task and `call` per step: gf.plan as the steps a tuning measured calibrated it."""
     costs = planner.layer_costs(candidate.chunks, candidate.schedule)
     chosen = list(balance) if balance is not None else partition(costs.total, planner.cells)
-    scaled = [
-        StageCosts(c.forward * scale, c.backward * scale, c.backward_input * scale,
-                   c.backward_weight * scale)
-        for c in costs.stages(chosen)
-    ]  # fmt: skip
+    scaled = [c.scaled(scale) for c in costs.stages(chosen)]
     return _plan(planner, chosen, candidate, planner.workers(candidate.schedule), scaled,
                  handoff, [c * scale for c in costs.total],
                  threads=planner.threads(candidate.schedule), call=call)  # fmt: skip

@@ -172,11 +172,7 @@ class Pricing:
         times its schedule kind's correction."""
         cut = config.cut
         fit = fit.of_kind(cut.schedule)
-        scaled = [
-            StageCosts(c.forward * fit.scale, c.backward * fit.scale,
-                       c.backward_input * fit.scale, c.backward_weight * fit.scale)
-            for c in self.profiled_costs(config)
-        ]  # fmt: skip
+        scaled = [c.scaled(fit.scale) for c in self.profiled_costs(config)]
         schedule = _C.make_schedule(cut.schedule, len(cut.balance), self.workers,
                                     config.chunks, config.checkpoint)  # fmt: skip
         return predict(schedule, scaled, fit.handoff).step_time + fit.call
