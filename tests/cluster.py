@@ -106,8 +106,9 @@ def _serve(
 
 
 # What the fork server imports before it forks any worker (a module it cannot import is
-# skipped: the worker imports it itself).
-PRELOAD = ["torch", "torch.distributed", "gpipe_fast", "dist_cases"]
+# skipped: the worker imports it itself). gpipe_fast imports FSDP only where a stage is
+# sharded, which many cases do: the server imports it once for them.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "gpipe_fast", "dist_cases"]
 
 
 class Cluster:

@@ -21,11 +21,13 @@ import runpy
 import sys
 
 # Imported here once, for every rank: what the ranks import, and torch's lazy imports that
-# building a pipe takes (sympy's, and torch._dynamo's for cells that may draw random numbers).
+# building a pipe takes (sympy's, and torch._dynamo's for cells that may draw random numbers),
+# and FSDP, which gpipe_fast imports only where a stage is sharded.
 import torch
 import torch._dynamo
 import torch.distributed
 import torch.distributed.checkpoint
+import torch.distributed.fsdp
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 import gpipe_fast  # noqa: F401

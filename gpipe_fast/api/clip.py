@@ -8,8 +8,8 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from gpipe_fast.distributed.dtensors import is_dtensor
 from gpipe_fast.nn.tied import local_part
 
 # Sums (or, for the inf-norm, takes the max of) a tensor over the ranks that hold the other
@@ -83,7 +83,7 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the pipe's gradients is non-finite, so "
             "it cannot be clipped (error_if_nonfinite=True); every rank raises alike"
         )
-    if any(isinstance(p.grad, DTensor) for p in with_grad):
+    if any(is_dtensor(p.grad) for p in with_grad):
         # Each shard scaled in place, by the factor torch's clip_grads_with_norm_ uses.
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gpipe_fast.distributed.dtensors import is_dtensor
 from gpipe_fast.nn.compiled import uncompile
 
 # A module's hooks, by the attribute holding them; the with_kwargs and always_called sets
@@ -51,7 +51,7 @@ def fake_of(tensor: Tensor, mode: FakeTensorMode) -> Tensor:
     casts its own module (`self.classifier.to(torch.float32)`, as Switch Transformers' router
     does) swaps the fake's contents, which torch allows only then."""
     with mode:
-        if isinstance(tensor, DTensor):
+        if is_dtensor(tensor):
             fake = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
         else:
             fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,

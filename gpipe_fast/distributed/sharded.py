@@ -30,18 +30,24 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gpipe_fast.arguments import check_bool
 from gpipe_fast.distributed.guard import Guard
 from gpipe_fast.distributed.sharded_comms import guard_collectives
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
+# torch.distributed.fsdp is imported where a stage is sharded, not with this module: it takes
+# about 0.8 s (DTensor and its operators), a second more on every `import gpipe_fast` that
+# shards nothing.
 
 SYNCS = ("per_microbatch", "per_step")
 
@@ -53,6 +59,8 @@ def _owns_parameters(module: nn.Module) -> bool:
 def _state(module: Any) -> Any:
     """FSDP's state of a unit (its private object: the per-group post-backward and the
     end-of-backward callback are not public; torch.distributed.pipelining calls them too)."""
+    from torch.distributed.fsdp import fully_shard
+
     return fully_shard.state(module)  # type: ignore[attr-defined]
 
 
@@ -101,6 +109,8 @@ class ShardedCell:
         self.index = index
         self.group = group
         self.guard = guard
+        from torch.distributed.fsdp import fully_shard
+
         mesh = DeviceMesh.from_group(group, device.type)
         layers = [layer for layer in module.children() if _owns_parameters(layer)]
         for layer in layers:
@@ -201,6 +211,8 @@ class ShardedCell:
     def layer_parameters(self) -> list[list[Tensor]]:
         """Per layer, the parameters its autograd graph holds (a unit's whole ones, FSDP's
         gathered tensors: not the shards the module shows between tasks)."""
+        from torch.distributed.fsdp import FSDPModule
+
         out: list[list[Tensor]] = []
         for layer in self.layers:
             state = _state(layer) if isinstance(layer, FSDPModule) else None

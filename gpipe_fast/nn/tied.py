@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from gpipe_fast.distributed.dtensors import is_dtensor
 
 Place = tuple[int, str]  # (cell, the parameter's name in the cell)
 
@@ -186,4 +187,4 @@ class TiedGradients:
 
 def local_part(tensor: Tensor) -> Tensor:
     """This rank's part of a tensor: a shard's local rows (DTensor), or the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
