@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -39,6 +40,10 @@ CHUNKS = 4
 STEPS = 3  # the first creates AdamW's state; the step time is the median of the others
 # Address space above the calibrated interpreter (see calibrate), per rank.
 BUDGET_MIB = {"full": 128, "quick": 48}
+# A search settles within 1 block per stage or 1/RESOLUTION of what fits. The quick table (a
+# test's) settles coarser: each bisection step past a failure is a fresh world of processes
+# (seconds), and the test reads the table's shape, not its last blocks.
+RESOLUTION = {"full": 16, "quick": 4}
 # A world ends once a trial's cleanup leaves its address space this far above the
 # calibration's (a library that keeps threads or groups per pipe would shrink the budget of
 # every later trial).
@@ -182,12 +187,13 @@ class Leaked(Exception):
     processes (where the next trial has the whole budget)."""
 
 
-def settled(lo: int, hi: int) -> bool:
-    """Whether the bounds are close enough: 1 block per stage, or 1/16 of what fits."""
-    return hi - lo <= max(1, lo // 16)
+def settled(lo: int, hi: int, resolution: int = RESOLUTION["full"]) -> bool:
+    """Whether the bounds are close enough: 1 block per stage, or 1/resolution of what fits."""
+    return hi - lo <= max(1, lo // resolution)
 
 
-def search_largest(fits: Callable[[int], bool], lo: int = 0, hi: int | None = None) -> int:
+def search_largest(fits: Callable[[int], bool], lo: int = 0, hi: int | None = None,
+                   resolution: int = RESOLUTION["full"]) -> int:  # fmt: skip
     """The largest n (to `settled`'s resolution) with fits(n), 0 if none: doubling from
     2 * lo (or 1) until a failure, then bisection; `lo` is known to fit (0: nothing known)
     and `hi` known not to (None: unknown). Assumes that anything smaller than a fit fits."""
@@ -197,7 +203,7 @@ def search_largest(fits: Callable[[int], bool], lo: int = 0, hi: int | None = No
             lo = n
         else:
             hi = n
-    while not settled(lo, hi):
+    while not settled(lo, hi, resolution):
         n = (lo + hi) // 2
         if fits(n):
             lo = n
@@ -415,7 +421,8 @@ def rank_main(spec: dict[str, Any]) -> None:
         if spec.get("trial"):  # one trial of that size (the tests' probe)
             events.write(event="done", per_stage=spec["trial"] if fits(spec["trial"]) else 0)
         else:
-            events.write(event="done", per_stage=search_largest(fits, spec["lo"], spec["hi"]))
+            found = search_largest(fits, spec["lo"], spec["hi"], spec["resolution"])
+            events.write(event="done", per_stage=found)
     except (NoFit, Leaked):
         pass
     uncap_address_space()
@@ -502,6 +509,7 @@ def run_world(
     trial: int | None = None,
     progress: Any = None,
     timeout_s: float = WORLD_TIMEOUT_S,
+    resolution: int = RESOLUTION["full"],
 ) -> World:
     """The search of `config` from bounds (lo, hi) in one fresh world of processes, until
     it settles or a trial does not fit; or only the trial of `trial` blocks per stage."""
@@ -509,7 +517,8 @@ def run_world(
 
     with tempfile.TemporaryDirectory(prefix="largest_model_") as name:
         folder = Path(name)
-        processes = launch(config, folder, budget_mib=budget_mib, lo=lo, hi=hi, trial=trial)
+        processes = launch(config, folder, budget_mib=budget_mib, lo=lo, hi=hi, trial=trial,
+                           resolution=resolution)  # fmt: skip
         bar = progress if progress is not None else tqdm(disable=True)
         codes = follow(processes, folder / "events.jsonl", timeout_s, bar)
         errors = [(folder / f"rank{r}.err").read_text()[-3000:] for r in range(config.world)]
@@ -538,14 +547,15 @@ class Result:
         return max(fitting, key=lambda t: t["per_stage"]) if fitting else None
 
 
-def search_config(config: Config, budget_mib: int, progress: Any = None) -> Result:
+def search_config(config: Config, budget_mib: int, progress: Any = None,
+                  resolution: int = RESOLUTION["full"]) -> Result:  # fmt: skip
     """One configuration's search over fresh worlds: each runs trials from the bounds so far
     until one does not fit (a rank that dies in a trial: not fitting either, its step did
     not complete), and the next starts from the new bounds."""
     result = Result(config, "measured")
     lo, hi = 0, None
-    while hi is None or not settled(lo, hi):
-        world = run_world(config, budget_mib, lo, hi, progress=progress)
+    while hi is None or not settled(lo, hi, resolution):
+        world = run_world(config, budget_mib, lo, hi, progress=progress, resolution=resolution)
         result.worlds += 1
         result.calibration = result.calibration or [e["ranks"] for e in world.of("calibrated")]
         result.trials += world.of("trial")
@@ -615,7 +625,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run_table(
-    configs: Sequence[Config], budget_mib: int, done: Callable[[list[Result]], None] | None = None
+    configs: Sequence[Config],
+    budget_mib: int,
+    done: Callable[[list[Result]], None] | None = None,
+    resolution: int = RESOLUTION["full"],
 ) -> list[Result]:
     """Every configuration's search in turn; `done(results so far)` after each."""
     from tqdm import tqdm  # type: ignore[import-untyped]
@@ -628,7 +641,7 @@ def run_table(
             if config.dp_shard and not available:
                 results.append(Result(config, "n/a (dp_shard not available)"))
             else:
-                results.append(search_config(config, budget_mib, progress))
+                results.append(search_config(config, budget_mib, progress, resolution))
             if done is not None:
                 done(results)
     return results
@@ -650,7 +663,8 @@ def write_record(path: Path, budget_mib: int, results: Sequence[Result]) -> None
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a smaller cap (for a test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller cap and a coarser search (for a test)")  # fmt: skip
     parser.add_argument("--budget-mib", type=int, help="address space per rank above the "
                         f"calibrated interpreter (default: {BUDGET_MIB['full']}, --quick: "
                         f"{BUDGET_MIB['quick']})")  # fmt: skip
@@ -664,14 +678,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        rank_main(json.loads(args.worker))
-        return 0
-    budget = args.budget_mib or BUDGET_MIB["quick" if args.quick else "full"]
+        # A rank ends without the interpreter's teardown, once its events are written: after
+        # an out-of-memory trial, collecting a gloo process group there could wait on a lock
+        # forever (seen 4 times in 21 searches), and the world then timed out as an error.
+        code = 0
+        try:
+            rank_main(json.loads(args.worker))
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    size = "quick" if args.quick else "full"
+    budget = args.budget_mib or BUDGET_MIB[size]
     configs = [c for c in CONFIGS if not args.only or any(o in c.name for o in args.only)]
     started = time.perf_counter()
     json_path = args.json
     write = None if json_path is None else partial(write_record, json_path, budget)
-    results = run_table(configs, budget, write)
+    results = run_table(configs, budget, write, RESOLUTION[size])
     print(
         f"\nwidth {WIDTH}, batch {BATCH} per replica, {CHUNKS} micro-batches, AdamW, "
         f"{STEPS} steps per trial; cap per rank: its calibrated address space + {budget} MiB"

@@ -31,20 +31,21 @@ def run_python(code: str) -> dict[str, int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("resolution", sorted(set(lm.RESOLUTION.values())))
 @pytest.mark.parametrize("largest", [0, 1, 37, 1000])
-def test_the_search_finds_the_largest_fit_to_its_resolution(largest: int) -> None:
+def test_the_search_finds_the_largest_fit_to_its_resolution(largest: int, resolution: int) -> None:
     asked: list[int] = []
 
     def fits(n: int) -> bool:
         asked.append(n)
         return n <= largest
 
-    found = lm.search_largest(fits)
+    found = lm.search_largest(fits, resolution=resolution)
     assert len(asked) == len(set(asked))  # no trial twice
     assert found <= largest
     failed = min(n for n in asked if n > largest)
-    assert lm.settled(found, failed)  # within 1 block or 1/16 of the answer
-    assert largest - found <= max(1, found // 16)
+    assert lm.settled(found, failed, resolution)  # within 1 block or 1/resolution of it
+    assert largest - found <= max(1, found // resolution)
 
 
 def test_a_resumed_search_goes_on_from_its_bounds() -> None:
