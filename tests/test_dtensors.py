@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from gpipe_fast.distributed.dtensors import is_dtensor
+from gpipe_fast.nn.dtensors import is_dtensor
 
 # In a fresh interpreter, as a user's script starts: what `import gpipe_fast` imported, then a
 # DTensor made once torch.distributed.tensor is imported (one rank of gloo).
@@ -18,7 +18,7 @@ FRESH = textwrap.dedent("""
     import json, sys
     import torch
     import gpipe_fast
-    from gpipe_fast.distributed.dtensors import is_dtensor
+    from gpipe_fast.nn.dtensors import is_dtensor
     heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "transformers"]
     loaded = [name for name in heavy if name in sys.modules]
     plain_before = is_dtensor(torch.ones(2))

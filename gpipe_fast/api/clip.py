@@ -9,7 +9,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from gpipe_fast.distributed.dtensors import is_dtensor
+from gpipe_fast.nn.dtensors import is_dtensor
 from gpipe_fast.nn.tied import local_part
 
 # Sums (or, for the inf-norm, takes the max of) a tensor over the ranks that hold the other

@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpipe_fast.distributed.dtensors import is_dtensor
 from gpipe_fast.nn.compiled import uncompile
+from gpipe_fast.nn.dtensors import is_dtensor
 
 # A module's hooks, by the attribute holding them; the with_kwargs and always_called sets
 # name hooks of the first two by their handle's id.

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gpipe_fast.distributed.dtensors import is_dtensor
+from gpipe_fast.nn.dtensors import is_dtensor
 
 Place = tuple[int, str]  # (cell, the parameter's name in the cell)
 
