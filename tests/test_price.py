@@ -88,3 +88,47 @@ def test_the_measured_plan_shows_the_step_as_it_was_timed(pipe: Any) -> None:
     assert shorter.step_time == pytest.approx(plain.step_time * 0.8)
     assert shorter.call_overhead == pytest.approx(0.001)
     assert shorter.bubble == pytest.approx(plain.bubble)
+
+
+@pytest.mark.parametrize("model", ["mlp", "llama"])
+def test_the_pricing_profiles_every_layer_set_it_prices_in_rounds(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every profile the candidates are priced from is taken in the rounds (one repeat a
+    call), none in a row afterwards: the rounds' layer sets are the pricing's own (GPipe's
+    one set of layers; each of gf.pipeline's split points its own)."""
+    from gpipe_fast.planning import planner
+
+    calls: list[int] = []
+    real = planner.profile_layers
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["repeats"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "profile_layers", counted)
+    if model == "mlp":
+        torch.manual_seed(0)
+        layers = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+        built = gf.GPipe(layers, devices=["cpu", "cpu"], schedule="auto", chunks="auto",
+                         checkpoint="auto")  # fmt: skip
+        sample: Any = torch.randn(8, 4)
+    else:
+        pytest.importorskip("transformers")
+        from any_model_cases import inputs, llama
+
+        built = gf.pipeline(llama(), inputs("llama", 2, 12, 0), schedule="auto", chunks="auto",
+                            checkpoint="auto")  # fmt: skip
+        sample = built._as_input(inputs("llama", 4, 12, 1))
+    try:
+        builder = built._auto.builder
+        found = price.space(built, builder, Tuned(True, True, True, cut=True), first=True,
+                            moves=False, batch=sample.size(0) if model == "mlp" else 4,
+                            layers=builder.most_cells())  # fmt: skip
+        pricing = price.Pricing(built, builder, sample, 2)
+        ranked = price.candidates(pricing, found, None)
+        cuts = {p.config.cut.split_points or p.config.cut.balance for p in ranked.priced}
+        assert len(ranked.priced) > 10 and len(cuts) > 1
+        assert calls and set(calls) == {1} and len(calls) % price.PROFILE_REPEATS == 0
+    finally:
+        built.close()

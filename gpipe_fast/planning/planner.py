@@ -169,11 +169,11 @@ def profile_in_rounds(wanted: Sequence[tuple[Planner, int, str]], rounds: int) -
     rounds, and keeps each layer's median over its rounds (what `layer_costs` then returns).
     Profiled one after another, each with its repeats in a row, a layer set's profile took a
     second or two of its own, and a shared host's speed drifts from one second to the next:
-    with another process busy on and off (0.3-1.5 s each), a LLaMA's two cuts were priced
-    0.49 to 1.36 of each other over 28 pricings (mean |log| off the median 0.14); in rounds,
-    where every profile spans the same seconds, 0.62 to 1.22 (0.095). On a quiet host either
-    way gives the same. A profile that fails is left out (`layer_costs` then raises its
-    error)."""
+    a LLaMA's two cuts (1f1b at 4 micro-batches, interleaved at 2) were priced 0.77 to 1.01 of
+    each other over 16 pricings on a quiet host (mean |log| off the median 0.072), 0.49 to
+    1.36 with two other processes busy on and off (0.14); in rounds, where every profile
+    spans the same seconds, 0.86 to 1.01 (0.027) and 0.62 to 1.22 (0.095). A profile that
+    fails is left out (`layer_costs` then raises its error)."""
     pending: dict[tuple[int, int], tuple[Planner, int, str, bool]] = {}
     for planner, chunks, schedule in wanted:
         if planner.cost != "time":
