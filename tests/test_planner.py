@@ -22,9 +22,9 @@ class _Profiles:
     """profile_layers replaced: each call recorded, its times the call's number (so that a
     median over rounds can be told from any one round)."""
 
-    def __init__(self, fail_rows: int | None = None) -> None:
+    def __init__(self, fail_rows: int) -> None:
         self.calls: list[tuple[int, int, int, bool]] = []  # (rows, warmup, repeats, split)
-        self.fail_rows = fail_rows
+        self.fail_rows = fail_rows  # the micro-batch rows whose profile raises
 
     def __call__(self, module: nn.Sequential, sample: torch.Tensor, **kwargs: Any
                  ) -> LayerProfile:  # fmt: skip
@@ -38,11 +38,15 @@ class _Profiles:
         return LayerProfile([value] * count, [2 * value] * count, [0] * count, halves, halves)
 
 
-def test_the_rounds_interleave_the_sizes_and_keep_each_layers_median(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    profiles = _Profiles()
-    monkeypatch.setattr(planning, "profile_layers", profiles)
+@pytest.fixture
+def profiles(monkeypatch: pytest.MonkeyPatch) -> _Profiles:
+    """profile_layers replaced by a _Profiles that fails on one-row micro-batches."""
+    replaced = _Profiles(fail_rows=1)
+    monkeypatch.setattr(planning, "profile_layers", replaced)
+    return replaced
+
+
+def test_the_rounds_interleave_the_sizes_and_keep_each_layers_median(profiles: _Profiles) -> None:
     planner = _planner()
     planning.profile_in_rounds([(planner, 2, "gpipe"), (planner, 4, "gpipe")], 3)
     # Every size once a round, the planner's warm-up in the first round only.
@@ -56,11 +60,7 @@ def test_the_rounds_interleave_the_sizes_and_keep_each_layers_median(
     assert len(profiles.calls) == 6  # layer_costs then profiles nothing again
 
 
-def test_the_rounds_serve_a_split_backward_and_skip_what_is_profiled(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    profiles = _Profiles()
-    monkeypatch.setattr(planning, "profile_layers", profiles)
+def test_the_rounds_serve_a_split_backward_and_skip_what_is_profiled(profiles: _Profiles) -> None:
     planner = _planner()
     # Two kinds of the same size: one profile, split (zero bubble's halves also hold the
     # whole backward); planners of the same layers (another cell count) share it.
@@ -74,9 +74,7 @@ def test_the_rounds_serve_a_split_backward_and_skip_what_is_profiled(
     assert len(profiles.calls) == 2
 
 
-def test_a_size_that_fails_is_left_to_layer_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    profiles = _Profiles(fail_rows=1)
-    monkeypatch.setattr(planning, "profile_layers", profiles)
+def test_a_size_that_fails_is_left_to_layer_costs(profiles: _Profiles) -> None:
     planner = _planner()
     planning.profile_in_rounds([(planner, 8, "gpipe"), (planner, 2, "gpipe")], 3)
     # The failing size is not tried again in later rounds; the other is profiled in full.

@@ -197,10 +197,9 @@ def profile_in_rounds(wanted: Sequence[tuple[Planner, int, str]], rounds: int) -
             except (RuntimeError, ValueError):
                 del samples[key]
     for key, found in samples.items():
-        planner, chunks, _, split = pending[key]
-        planner._times[(micro_rows(planner.sample, chunks), split)] = _layer_costs(
-            found, planner.statistic
-        )
+        planner, _, _, split = pending[key]
+        rows = key[1]
+        planner._times[(rows, split)] = _layer_costs(found, planner.statistic)
 
 
 def _layer_costs(profiles: Sequence[LayerProfile], statistic: str) -> LayerCosts:

@@ -231,8 +231,9 @@ def candidates(pricing: Pricing, space: Space, budget: int | None) -> Ranked:
     found: dict[Config, Priced] = {}
     too_big = 0
     failures: dict[str, int] = {}
-    # Kinds that split the backward first: their profile of the layers (with the backward's
-    # halves timed apart) also serves the others, which then profile nothing again.
+    # The layers are profiled in rounds first (Pricing.profile). A profile the rounds left
+    # out is taken where a candidate needs it, the kinds that split the backward first: their
+    # profile (with the backward's halves timed apart) also serves the others.
     kinds = sorted(space.kinds, key=lambda kind: not schedule_kind(kind[0]).split_backward)
     try:
         pricing.profile(space)
