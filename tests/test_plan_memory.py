@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,31 @@ def test_search_returns_the_fastest_plan_that_fits() -> None:
     fixed = gf.plan(module, x, 2, 8, cost="params", checkpoint=None, schedule="1f1b",
                     memory_per_device=1 << 40)  # fmt: skip
     assert fixed.chunks == 8 and fixed.schedule == "1f1b"
+
+
+def test_search_times_every_size_it_prices_in_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By time, the search's layer profiles are taken in rounds (one repeat a call, every
+    micro-batch size once a round), not each size's repeats in a row."""
+    from gpipe_fast.planning import planner
+
+    calls: list[tuple[int, int]] = []  # (rows, repeats)
+    real = planner.profile_layers
+
+    def counted(module: nn.Sequential, sample: torch.Tensor, **kwargs: Any) -> Any:
+        calls.append((sample.size(0), kwargs["repeats"]))
+        return real(module, sample, **kwargs)
+
+    monkeypatch.setattr(planner, "profile_layers", counted)
+    found = gf.plan(linears(), torch.randn(8, 8), 2, chunks=None, checkpoint="never",
+                    schedule=None, warmup=0, repeats=3, memory_per_device=1 << 40)  # fmt: skip
+    sizes = sorted({rows for rows, _ in calls})
+    assert sizes == [1, 2, 4, 8]  # the micro-batch rows of 8, 4, 2 and 1 chunks
+    assert all(repeats == 1 for _, repeats in calls)
+    assert len(calls) == 3 * len(sizes)
+    # Round by round: each size once in every run of len(sizes) calls.
+    for start in range(0, len(calls), len(sizes)):
+        assert sorted(rows for rows, _ in calls[start : start + len(sizes)]) == sizes
+    assert found.chunks in (1, 2, 4, 8)
 
 
 def test_search_says_when_nothing_fits() -> None:

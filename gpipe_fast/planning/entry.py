@@ -76,7 +76,9 @@ def plan(
     batch, every checkpoint mode, every registered schedule that runs on the devices, sharded
     or not when dp > 1), with the balance of the cost and one evening out memory, and the
     fastest plan whose peak fits is returned (ties: the least memory); ValueError naming the
-    smallest peak when none fits. Layers are timed once per micro-batch size.
+    smallest peak when none fits. Layers are timed once per micro-batch size, every size's
+    `repeats` in rounds (each size once a round), so that a drifting host's speed weighs on
+    every candidate alike.
 
     `calibrate`: one or more timelines of steps recorded with `balance` (``pipe.timeline()``
     after ``pipe.record_timeline()``), of any schedule with the same cells and chunks. Each

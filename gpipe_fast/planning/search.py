@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from gpipe_fast.balancing.balance import partition
 from gpipe_fast.planning.candidates import CHECKPOINTS, Candidate, Choice
 from gpipe_fast.planning.plan import Plan, evaluate
-from gpipe_fast.planning.planner import Planner, micro_rows
+from gpipe_fast.planning.planner import Planner, micro_rows, profile_in_rounds
 from gpipe_fast.schedule.registry import schedules
 
 
@@ -64,7 +64,12 @@ def choose(planner: Planner, balance: Sequence[int] | None, choice: Choice, batc
     assert budget is not None
     best: Plan | None = None
     smallest: Plan | None = None
-    for candidate in candidates(planner, choice, batch):
+    found = list(candidates(planner, choice, batch))
+    # Every micro-batch size the candidates price, timed together in rounds: one after
+    # another, each size's profile would span its own seconds of a drifting host's speed,
+    # and the ranking would compare the seconds, not the candidates.
+    profile_in_rounds([(planner, c.chunks, c.schedule) for c in found], planner.repeats)
+    for candidate in found:
         for option in _balances(planner, balance, candidate):
             plan = evaluate(planner, option, candidate)
             if smallest is None or plan.peak_memory < smallest.peak_memory:
