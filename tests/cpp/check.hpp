@@ -1,6 +1,7 @@
 // Minimal test harness: TEST registers a function; CHECK* record file:line failures and go on.
 #pragma once
 
+#include <cstdlib>
 #include <exception>
 #include <ostream>
 #include <sstream>
@@ -33,6 +34,18 @@ inline std::vector<std::string>& failures() {
 inline void fail(const char* file, int line, const std::string& message) {
   failures().push_back(std::string(file) + ":" + std::to_string(line) + ": " + message);
 }
+
+// The stride through a long sweep's cases: 1 (every case) unless GPIPE_FAST_CPP_SWEEP_STRIDE
+// says more. The sanitizer run sets it: its instrumented code runs the sweeps 3x slower, the
+// plain run covers every case, and memory errors show on a share of them.
+inline int sweep_stride() {
+  const char* set = std::getenv("GPIPE_FAST_CPP_SWEEP_STRIDE");
+  const int stride = set ? std::atoi(set) : 1;
+  return stride > 1 ? stride : 1;
+}
+
+// How many of a sweep's `full` cases sweep_stride() leaves (at least one).
+inline int sweep_cases(int full) { return (full + sweep_stride() - 1) / sweep_stride(); }
 
 struct Registrar {
   Registrar(const char* name, TestFn fn) { registry().push_back(TestCase{name, fn}); }

@@ -77,7 +77,8 @@ TEST(lowered_schedules_never_deadlock_and_pairs_agree_on_order) {
   const char* kinds[] = {"gpipe", "1f1b", "zero_bubble", "interleaved"};
   const Checkpoint modes[] = {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always};
   int checked = 0;
-  for (int trial = 0; trial < 300; ++trial) {
+  const int trials = check::sweep_cases(300);
+  for (int trial = 0; trial < trials; ++trial) {
     const int ranks = 1 + static_cast<int>(random() % 6);
     const int chunks = 1 + static_cast<int>(random() % 3);
     const int microbatches = 1 + static_cast<int>(random() % 13);
@@ -113,7 +114,7 @@ TEST(lowered_schedules_never_deadlock_and_pairs_agree_on_order) {
     CHECK(sent == received);
     ++checked;
   }
-  CHECK_EQ(checked, 300);
+  CHECK_EQ(checked, trials);
 }
 
 TEST(lowered_forward_only_runs_send_activations_and_nothing_backward) {
