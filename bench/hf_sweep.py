@@ -34,7 +34,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,7 +348,10 @@ def model_types(family: str) -> list[str]:
     return sorted(getattr(modeling_auto, FAMILIES[family]))
 
 
-def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> Row:
+def sweep_one(family: str, model_type: str, wanted: set[str] | None = None,
+              cases: Sequence[tuple[str, str]] = CASES) -> Row:  # fmt: skip
+    """One architecture's row: each of `cases` (split, schedule) whose split is `wanted`
+    (None: every split)."""
     row = Row(family, model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -361,7 +364,7 @@ def sweep_one(family: str, model_type: str, wanted: set[str] | None = None) -> R
         except Exception as error:
             row.built = f"{type(error).__name__}: {_first_line(error)}"[:150]
             return row
-        for split, schedule in CASES:
+        for split, schedule in cases:
             if wanted is not None and split not in wanted:
                 continue
             points = model_splits.get(split)
