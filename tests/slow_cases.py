@@ -207,10 +207,10 @@ SLOW: dict[str, Rule] = {
     # hand or by torchrun's restart in place, the other layouts and schedules in the full
     # suite.
     "test_train_lm.py::test_a_job_killed_mid_save_relaunched_by_hand_ends_bitwise_equal": True,
-    # examples/train_hf.py resumed at pp2 and in one process under torchrun (38 s on 2
+    # examples/train_hf.py written at pp2 under torchrun and resumed in one process (38 s on 2
     # cores); checkpoints of pipes of any model keep their fast cases in
     # test_any_model_checkpoints.py. Its run against the plain model (in process) stays.
-    "test_train_hf.py::test_a_checkpoint_resumes_at_pp2_and_in_one_process": True,
+    "test_train_hf.py::test_a_pp2_checkpoint_resumes_in_one_process": True,
     "test_train_lm.py::test_a_killed_rank_restarted_in_place_ends_bitwise_equal": True,
     "test_train_lm.py::test_a_pp2_checkpoint_resumes_at_another_layout": True,
     "test_train_lm.py::test_other_schedules_bf16_and_clipping_run": True,

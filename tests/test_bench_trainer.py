@@ -26,10 +26,11 @@ def _run(script: str, *flags: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("layout", [["--processes", "2"], ["--processes", "4", "--pp", "2"]])
-def test_trainer_overhead_runs_its_three_contenders(layout: list[str]) -> None:
-    out = _run("trainer_overhead.py", *layout, "--width", "64", "--layers", "2", "--length",
-               "32", "--steps", "4", "--rounds", "1")  # fmt: skip
+def test_trainer_overhead_runs_its_three_contenders() -> None:
+    # pp=2 x dp=2 (the pipe's every layer of the bench: stages, replicas, DDP over all four).
+    out = _run("trainer_overhead.py", "--processes", "4", "--pp", "2", "--width", "64",
+               "--layers", "2", "--length", "32", "--steps", "4", "--rounds", "1")  # fmt: skip
+    assert "4 processes: pp=2 dp=2" in out, out
     for contender in ("PipelineTrainer", "own loop", "Trainer + DDP"):
         assert re.search(rf"^\| {re.escape(contender)} \| [\d,]+ \|", out, re.MULTILINE), out
     assert "Trainer's machinery around the pipe:" in out

@@ -83,8 +83,8 @@ def test_a_rank_that_dies_is_named_by_every_other(victim: int, sync: str) -> Non
 def test_a_slow_rank_is_named_as_slow_by_every_rank_itself_included(
     four: Cluster, shard: bool
 ) -> None:
-    # Rank 2 (stage 0 of the second pipeline) is inside a forward for 10 s; the pipes wait 4 s.
-    results = _raised(four, mode="slow", victim=2, shard=shard, timeout=4.0, slow_s=10.0)
+    # Rank 2 (stage 0 of the second pipeline) is inside a forward for 7 s; the pipes wait 4 s.
+    results = _raised(four, mode="slow", victim=2, shard=shard, timeout=4.0, slow_s=7.0)
     said = "the step failed on rank 2: rank 2 did not answer within 4 s (its process still runs"
     for rank, result in enumerate(results):
         assert result["type"] == "PeerFailure", (rank, result)
