@@ -131,7 +131,7 @@ def native_threads(prefix: str = "") -> int:
         try:
             with open(f"/proc/self/task/{tid}/comm") as comm:
                 count += comm.read().startswith(prefix)
-        except FileNotFoundError:  # ended while we looked
+        except (FileNotFoundError, ProcessLookupError):  # ended while we looked (either)
             pass
     return count
 

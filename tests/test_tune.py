@@ -235,7 +235,11 @@ def test_the_report_lists_every_candidate_and_the_choice(pipes: list[Any]) -> No
     assert tuning.choice in configs
     ran = tuning.measured
     assert 1 <= len(ran) <= tune.MOST_MEASURED
-    assert tuning.chosen.measured_s == min(c.measured_s for c in ran)  # type: ignore[type-var]
+    fastest = min(c.measured_s for c in ran)  # type: ignore[type-var]
+    if tuning.chosen.measured_s != fastest:
+        # The defaults ran beside the fastest within TIE of it, and stay.
+        assert any("kept the defaults" in note for note in tuning.notes), tuning.notes
+        assert tuning.chosen.measured_s <= fastest * (1 + tune.TIE)
     for candidate in tuning.candidates:
         assert candidate.predicted_s is not None and candidate.predicted_s > 0
         assert candidate.calibrated_s is not None and candidate.calibrated_s > 0
