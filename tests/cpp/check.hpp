@@ -45,7 +45,10 @@ inline int sweep_stride() {
 }
 
 // How many of a sweep's `full` cases sweep_stride() leaves (at least one).
-inline int sweep_cases(int full) { return (full + sweep_stride() - 1) / sweep_stride(); }
+inline int sweep_cases(int full) {
+  const int stride = sweep_stride();
+  return (full + stride - 1) / stride;
+}
 
 struct Registrar {
   Registrar(const char* name, TestFn fn) { registry().push_back(TestCase{name, fn}); }

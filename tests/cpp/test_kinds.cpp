@@ -147,8 +147,9 @@ std::vector<int> held_per_worker(const Schedule& s) {
 TEST(zbv_is_valid_complete_and_bounded_for_any_layout) {
   const Checkpoint modes[] = {Checkpoint::Never, Checkpoint::ExceptLast, Checkpoint::Always};
   int checked = 0;
+  const int stride = check::sweep_stride();
   for (int workers = 1; workers <= 8; ++workers) {
-    for (int m = 1; m <= 29; m += check::sweep_stride()) {
+    for (int m = 1; m <= 29; m += stride) {
       for (Checkpoint mode : modes) {
         const int stages = 2 * workers;
         const Schedule s = gpipe_fast::make_schedule("zbv", stages, workers, m, mode);
